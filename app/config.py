@@ -1,0 +1,160 @@
+"""One place for every setting, read from `RTRL_*` environment variables."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def embedded_database_url(port: int) -> str:
+    return f"postgresql+psycopg://postgres@127.0.0.1:{port}/rtrl"
+
+
+def embedded_kafka_servers(port: int) -> str:
+    return f"127.0.0.1:{port}"
+
+
+def embedded_redis_url(port: int) -> str:
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def embedded_vllm_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+class SettingsError(Exception):
+    """A setting has an invalid value; the message names the variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RTRL_", extra="ignore")
+
+    data_dir: Path = Path("./var")
+    """Where embedded services, models, checkpoints, spools and logs live."""
+
+    # Loopback ports of the embedded services. The URLs below default to them; a URL set
+    # to anything else means "a managed service runs there, do not start one".
+    embedded_postgres_port: int = Field(default=54329, ge=1, le=65535)
+    embedded_kafka_port: int = Field(default=19092, ge=1, le=65535)
+    embedded_redis_port: int = Field(default=16379, ge=1, le=65535)
+    embedded_vllm_port: int = Field(default=18000, ge=1, le=65535)
+
+    database_url: str = ""
+    """SQLAlchemy URL of Postgres (psycopg 3 driver)."""
+
+    kafka_bootstrap_servers: str = ""
+    """Comma-separated Kafka bootstrap servers."""
+
+    redis_url: str = ""
+    """Redis URL (rate limits, experiment change notifications)."""
+
+    vllm_urls: Annotated[list[str], NoDecode] = []
+    """Comma-separated base URLs of the vLLM OpenAI servers (one per replica)."""
+
+    base_model: Path | None = None
+    """HF causal LM directory; defaults to the bootstrapped model under the data dir."""
+
+    train_interval: timedelta = timedelta(hours=5)
+    """Time between training cycles (seconds or ISO 8601 duration, e.g. PT5H)."""
+
+    survival_horizon: timedelta = timedelta(minutes=15)
+    """Edit survival is read at this time after acceptance (seconds or ISO 8601)."""
+
+    @model_validator(mode="after")
+    def _embedded_defaults(self) -> Settings:
+        self.database_url = self.database_url or embedded_database_url(self.embedded_postgres_port)
+        self.kafka_bootstrap_servers = self.kafka_bootstrap_servers or embedded_kafka_servers(
+            self.embedded_kafka_port
+        )
+        self.redis_url = self.redis_url or embedded_redis_url(self.embedded_redis_port)
+        self.vllm_urls = self.vllm_urls or [embedded_vllm_url(self.embedded_vllm_port)]
+        return self
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_only(cls, value: str) -> str:
+        if not value:
+            return value
+        if not value.startswith(("postgresql://", "postgresql+psycopg://")):
+            raise ValueError("must be a postgresql:// or postgresql+psycopg:// URL")
+        return value.replace("postgresql://", "postgresql+psycopg://", 1)
+
+    @field_validator("kafka_bootstrap_servers")
+    @classmethod
+    def _host_ports(cls, value: str) -> str:
+        for server in value.split(",") if value else []:
+            host, sep, port = server.strip().rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"{server!r} is not host:port")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
+
+    @field_validator("vllm_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [url.strip() for url in value.split(",") if url.strip()]
+        if isinstance(value, list):
+            for url in value:
+                if not str(url).startswith(("http://", "https://")):
+                    raise ValueError(f"{url!r} is not an http(s) URL")
+            return [str(url).rstrip("/") for url in value]
+        return value
+
+    @field_validator("train_interval", "survival_horizon", mode="before")
+    @classmethod
+    def _seconds(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                return value
+        return value
+
+    @field_validator("train_interval", "survival_horizon")
+    @classmethod
+    def _positive(cls, value: timedelta) -> timedelta:
+        if value <= timedelta(0):
+            raise ValueError("must be a positive duration")
+        return value
+
+    @property
+    def base_model_path(self) -> Path:
+        return self.base_model or self.data_dir / "models" / "base"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+
+def load_settings() -> Settings:
+    """Read the settings from the environment, or fail naming the bad variable."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else "?"
+            problems.append(f"RTRL_{field.upper()}: {error['msg']}")
+        raise SettingsError("invalid settings: " + "; ".join(problems)) from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once."""
+    return load_settings()

@@ -1,0 +1,130 @@
+"""The embedded stack: Postgres, Kafka and Redis under one data dir, as one unit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from app.config import Settings
+from app.db import upgrade_schema
+from app.embedded.kafka import DEFAULT_TOPICS, EmbeddedKafka, ensure_topics
+from app.embedded.postgres import EmbeddedPostgres
+from app.embedded.redis import EmbeddedRedis
+
+
+class EmbeddedService(Protocol):
+    name: str
+
+    @property
+    def url(self) -> str: ...
+
+    def pid(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def healthy(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    name: str
+    url: str
+    embedded: bool
+    running: bool
+    pid: int | None
+
+
+@dataclass
+class EmbeddedStack:
+    """The three backing services; `external` names those that a URL points elsewhere."""
+
+    postgres: EmbeddedPostgres
+    kafka: EmbeddedKafka
+    redis: EmbeddedRedis
+    external_urls: dict[str, str]
+
+    @classmethod
+    def at(
+        cls,
+        data_dir: Path,
+        *,
+        postgres_port: int,
+        kafka_port: int,
+        redis_port: int,
+    ) -> EmbeddedStack:
+        root = data_dir.resolve() / "services"
+        return cls(
+            postgres=EmbeddedPostgres(root / "postgres", postgres_port),
+            kafka=EmbeddedKafka(root / "kafka", kafka_port),
+            redis=EmbeddedRedis(root / "redis", redis_port),
+            external_urls={},
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EmbeddedStack:
+        """Embedded services for every URL left at its embedded default."""
+        stack = cls.at(
+            settings.data_dir,
+            postgres_port=settings.embedded_postgres_port,
+            kafka_port=settings.embedded_kafka_port,
+            redis_port=settings.embedded_redis_port,
+        )
+        configured = {
+            "postgres": settings.database_url,
+            "kafka": settings.kafka_bootstrap_servers,
+            "redis": settings.redis_url,
+        }
+        for service in stack.all():
+            if configured[service.name] != service.url:
+                stack.external_urls[service.name] = configured[service.name]
+        return stack
+
+    def all(self) -> list[EmbeddedService]:
+        return [self.postgres, self.kafka, self.redis]
+
+    def embedded(self) -> list[EmbeddedService]:
+        return [service for service in self.all() if service.name not in self.external_urls]
+
+    def url(self, name: str) -> str:
+        return self.external_urls.get(name) or next(s.url for s in self.all() if s.name == name)
+
+    def up(self) -> list[ServiceStatus]:
+        """Start what is embedded (idempotently), then create topics and migrate."""
+        for service in self.embedded():
+            service.start()
+        if "kafka" in self.external_urls:
+            ensure_topics(self.url("kafka"), DEFAULT_TOPICS)
+        upgrade_schema(self.url("postgres"))
+        return self.status()
+
+    def down(self) -> list[ServiceStatus]:
+        for service in reversed(self.embedded()):
+            service.stop()
+        return self.status()
+
+    def status(self) -> list[ServiceStatus]:
+        statuses = []
+        for service in self.all():
+            embedded = service.name not in self.external_urls
+            pid = service.pid() if embedded else None
+            statuses.append(
+                ServiceStatus(
+                    name=service.name,
+                    url=self.url(service.name),
+                    embedded=embedded,
+                    running=(pid is not None and service.healthy()) if embedded else False,
+                    pid=pid,
+                )
+            )
+        return statuses
+
+    def environment(self) -> dict[str, str]:
+        """The `RTRL_*` variables that point other processes at this stack."""
+        return {
+            "RTRL_DATABASE_URL": self.url("postgres"),
+            "RTRL_KAFKA_BOOTSTRAP_SERVERS": self.url("kafka"),
+            "RTRL_REDIS_URL": self.url("redis"),
+        }

@@ -1,0 +1,170 @@
+"""Kafka event schemas: one pydantic model per event type, JSON on the wire."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+from uuid import UUID, uuid4
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+COMPLETIONS_TOPIC = "rtrl.completions.v1"
+FEEDBACK_TOPIC = "rtrl.feedback.v1"
+DLQ_TOPIC = "rtrl.dlq.v1"
+TOPICS = (COMPLETIONS_TOPIC, FEEDBACK_TOPIC, DLQ_TOPIC)
+
+SCHEMA_VERSION: Literal[1] = 1
+
+SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")]
+RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    event_id: UUID = Field(default_factory=uuid4)
+    schema_version: Literal[1] = SCHEMA_VERSION
+    occurred_at: datetime = Field(default_factory=utcnow)
+    session_id: SessionId
+    request_id: RequestId
+
+
+class CompletionEvent(Event):
+    """What the gateway served for one request."""
+
+    event_type: Literal["completion"] = "completion"
+    checkpoint: str
+    experiment_id: int | None = None
+    arm: str | None = None
+    fallback: bool = False
+    """The arm's checkpoint was not being served, so production answered instead."""
+    user_hash: str
+    api_key_id: UUID | None = None
+    privacy: bool = False
+    edit_requested: bool = False
+    prompt_messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    behaviour_logprobs: list[float] | None = None
+    completion_text: str | None = None
+    finish_reason: str | None = None
+    status: Literal["ok", "error"] = "ok"
+    error: str | None = None
+    ttft_ms: float = Field(ge=0)
+    latency_ms: float = Field(ge=0)
+    tool_calls: int = Field(default=0, ge=0)
+    malformed_tool_calls: int = Field(default=0, ge=0)
+    proposed_edit: bool = False
+    completion_chars: int = Field(default=0, ge=0)
+    clarifying_question: bool = False
+
+    @model_validator(mode="after")
+    def _privacy_has_no_content(self) -> CompletionEvent:
+        content = (
+            self.prompt_messages,
+            self.prompt_token_ids,
+            self.completion_token_ids,
+            self.behaviour_logprobs,
+            self.completion_text,
+        )
+        if self.privacy and any(field is not None for field in content):
+            raise ValueError("privacy-mode completions carry no content")
+        if (self.completion_token_ids is None) != (self.behaviour_logprobs is None):
+            raise ValueError("completion_token_ids and behaviour_logprobs come together")
+        if (
+            self.completion_token_ids is not None
+            and self.behaviour_logprobs is not None
+            and len(self.completion_token_ids) != len(self.behaviour_logprobs)
+        ):
+            raise ValueError("one behaviour logprob per completion token")
+        if self.malformed_tool_calls > self.tool_calls:
+            raise ValueError("malformed_tool_calls cannot exceed tool_calls")
+        return self
+
+
+class EditAccepted(Event):
+    kind: Literal["edit_accepted"] = "edit_accepted"
+
+
+class EditRejected(Event):
+    kind: Literal["edit_rejected"] = "edit_rejected"
+
+
+class EditSurvival(Event):
+    """Share of the accepted edit still present `elapsed_s` after acceptance."""
+
+    kind: Literal["edit_survival"] = "edit_survival"
+    elapsed_s: float = Field(ge=0, le=7 * 24 * 3600)
+    surviving_share: float = Field(ge=0, le=1)
+
+
+class FollowupMessage(Event):
+    """The user's next message in the session after this completion."""
+
+    kind: Literal["followup_message"] = "followup_message"
+    message: str | None = Field(default=None, max_length=16_000)
+    dissatisfied: bool | None = None
+    """Set at the edge for privacy-mode traffic, whose message text is never kept."""
+
+    @model_validator(mode="after")
+    def _message_or_verdict(self) -> FollowupMessage:
+        if self.message is None and self.dissatisfied is None:
+            raise ValueError("a follow-up needs its message or a dissatisfied verdict")
+        return self
+
+
+class SessionEnd(Event):
+    kind: Literal["session_end"] = "session_end"
+
+
+FeedbackEvent = Annotated[
+    EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd,
+    Field(discriminator="kind"),
+]
+FEEDBACK_KINDS = (
+    "edit_accepted",
+    "edit_rejected",
+    "edit_survival",
+    "followup_message",
+    "session_end",
+)
+
+
+class DeadLetter(BaseModel):
+    """A message a worker could not process, and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source_topic: str
+    partition: int
+    offset: int
+    key: str | None
+    payload: str
+    """The original bytes, decoded as UTF-8 with replacement."""
+    reason: str
+    failed_at: datetime = Field(default_factory=utcnow)
+
+
+feedback_adapter: TypeAdapter[FeedbackEvent] = TypeAdapter(FeedbackEvent)
+
+
+def encode(event: BaseModel) -> bytes:
+    """Serialize an event for Kafka."""
+    return orjson.dumps(event.model_dump(mode="json"))
+
+
+def decode_completion(raw: bytes) -> CompletionEvent:
+    """Parse a `rtrl.completions.v1` message; raises ValueError on bad input."""
+    return CompletionEvent.model_validate_json(raw)
+
+
+def decode_feedback(
+    raw: bytes,
+) -> EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd:
+    """Parse a `rtrl.feedback.v1` message; raises ValueError on bad input."""
+    return feedback_adapter.validate_json(raw)

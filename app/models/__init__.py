@@ -1,0 +1,32 @@
+"""Every ORM model, on one `Base`."""
+
+from app.models.api_key import ApiKey, Role
+from app.models.audit import Alert, AuditEntry, ControlFlag
+from app.models.base import Base
+from app.models.checkpoint import LIVE_STATUSES, Checkpoint, CheckpointStatus
+from app.models.experiment import Arm, Experiment, ExperimentStatus
+from app.models.feedback import FeedbackEventRow, FeedbackKind
+from app.models.reward import Reward
+from app.models.sample import Sample
+from app.models.training_run import TrainingRun, TrainingRunStatus
+
+__all__ = [
+    "LIVE_STATUSES",
+    "Alert",
+    "ApiKey",
+    "Arm",
+    "AuditEntry",
+    "Base",
+    "Checkpoint",
+    "CheckpointStatus",
+    "ControlFlag",
+    "Experiment",
+    "ExperimentStatus",
+    "FeedbackEventRow",
+    "FeedbackKind",
+    "Reward",
+    "Role",
+    "Sample",
+    "TrainingRun",
+    "TrainingRunStatus",
+]

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, func, text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.models.base import Base
+
+
+class Reward(Base):
+    """The one reward record of a sample; components are kept raw for replays."""
+
+    __tablename__ = "rewards"
+    __table_args__ = (
+        # The finalization sweep scans only what is still open and due.
+        Index("ix_rewards_open_due_at", "due_at", postgresql_where=text("finalized_at IS NULL")),
+        Index("ix_rewards_finalized_at", "finalized_at"),
+    )
+
+    sample_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("samples.id", ondelete="CASCADE"), primary_key=True
+    )
+    components: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    reward: Mapped[float | None] = mapped_column(Float)
+    reward_version: Mapped[int] = mapped_column(Integer, nullable=False)
+    due_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    finalized_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalize_reason: Mapped[str | None] = mapped_column(String(32))
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=False
+    )

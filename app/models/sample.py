@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.models.base import Base, CreatedAt
+
+
+class Sample(CreatedAt, Base):
+    """One served completion: what the policy saw, produced and how fast."""
+
+    __tablename__ = "samples"
+    __table_args__ = (
+        Index("ix_samples_checkpoint_served_at", "checkpoint", "served_at"),
+        Index("ix_samples_experiment_arm_served_at", "experiment_id", "arm", "served_at"),
+        Index("ix_samples_session_served_at", "session_id", "served_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False, unique=True)
+    request_id: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    session_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    user_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    checkpoint: Mapped[str] = mapped_column(String(64), nullable=False)
+    experiment_id: Mapped[int | None] = mapped_column(Integer)
+    arm: Mapped[str | None] = mapped_column(String(64))
+    fallback: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    privacy: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    trainable: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    edit_requested: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    proposed_edit: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    clarifying_question: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, server_default="false"
+    )
+    prompt_messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
+    prompt_token_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    completion_token_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    behaviour_logprobs: Mapped[list[float] | None] = mapped_column(ARRAY(Float))
+    completion_text: Mapped[str | None] = mapped_column(Text)
+    completion_chars: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    ttft_ms: Mapped[float] = mapped_column(Float, nullable=False)
+    latency_ms: Mapped[float] = mapped_column(Float, nullable=False)
+    tool_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    malformed_tool_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    served_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

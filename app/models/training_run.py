@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import DateTime, Enum, ForeignKey, Integer, String, Text, func
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.models.base import Base
+
+
+class TrainingRunStatus(enum.StrEnum):
+    running = "running"
+    skipped = "skipped"
+    refused = "refused"
+    rejected = "rejected"
+    published = "published"
+    failed = "failed"
+
+
+class TrainingRun(Base):
+    """One training cycle: its inputs, statistics, evaluation and outcome."""
+
+    __tablename__ = "training_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    status: Mapped[TrainingRunStatus] = mapped_column(
+        Enum(
+            TrainingRunStatus,
+            name="training_run_status",
+            native_enum=False,
+            create_constraint=True,
+            length=16,
+        ),
+        nullable=False,
+        index=True,
+    )
+    reason: Mapped[str | None] = mapped_column(Text)
+    config: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    stats: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    eval_results: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    base_checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
+    output_checkpoint_id: Mapped[int | None] = mapped_column(
+        ForeignKey("checkpoints.id"), index=True
+    )
+    window_start: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    window_end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    sample_count: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    run_name: Mapped[str | None] = mapped_column(String(128))
+    started_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=False
+    )
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -65,6 +65,15 @@ class Settings(BaseSettings):
     survival_horizon: timedelta = timedelta(minutes=15)
     """Edit survival is read at this time after acceptance (seconds or ISO 8601)."""
 
+    reward_version: int = Field(default=1, ge=1)
+    """Reward formula version new rewards are computed with."""
+
+    latency_budget_ms: float = Field(default=2000.0, gt=0)
+    """A completion slower than this earns the latency penalty."""
+
+    reward_grace: timedelta = timedelta(minutes=2)
+    """How long past the survival horizon a reward waits for late reports before the sweep."""
+
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
         self.database_url = self.database_url or embedded_database_url(self.embedded_postgres_port)
@@ -112,7 +121,7 @@ class Settings(BaseSettings):
             return [str(url).rstrip("/") for url in value]
         return value
 
-    @field_validator("train_interval", "survival_horizon", mode="before")
+    @field_validator("train_interval", "survival_horizon", "reward_grace", mode="before")
     @classmethod
     def _seconds(cls, value: object) -> object:
         if isinstance(value, str):
@@ -122,7 +131,7 @@ class Settings(BaseSettings):
                 return value
         return value
 
-    @field_validator("train_interval", "survival_horizon")
+    @field_validator("train_interval", "survival_horizon", "reward_grace")
     @classmethod
     def _positive(cls, value: timedelta) -> timedelta:
         if value <= timedelta(0):

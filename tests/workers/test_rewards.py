@@ -1,0 +1,252 @@
+import random
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from app.events import (
+    CompletionEvent,
+    EditAccepted,
+    EditRejected,
+    EditSurvival,
+    FollowupMessage,
+    SessionEnd,
+)
+from workers.rewards import (
+    LATEST_REWARD_VERSION,
+    REWARD_VERSIONS,
+    Feedback,
+    RewardComponents,
+    RewardWeights,
+    compute_reward,
+    distil_components,
+    finalize_reason,
+    is_final,
+    reward_due_at,
+)
+
+T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
+HORIZON_S = 900.0
+GRACE_S = 120.0
+BUDGET_MS = 2000.0
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def completion(**overrides: Any) -> CompletionEvent:
+    fields: dict[str, Any] = {
+        "session_id": "s1",
+        "request_id": "r1",
+        "occurred_at": T0,
+        "checkpoint": "ckpt-1",
+        "user_hash": "u1",
+        "edit_requested": True,
+        "proposed_edit": True,
+        "ttft_ms": 100.0,
+        "latency_ms": 800.0,
+    }
+    return CompletionEvent(**(fields | overrides))
+
+
+def accepted(seconds: float = 10.0) -> EditAccepted:
+    return EditAccepted(session_id="s1", request_id="r1", occurred_at=at(seconds))
+
+
+def rejected(seconds: float = 10.0) -> EditRejected:
+    return EditRejected(session_id="s1", request_id="r1", occurred_at=at(seconds))
+
+
+def survival(elapsed_s: float, share: float) -> EditSurvival:
+    return EditSurvival(
+        session_id="s1",
+        request_id="r1",
+        occurred_at=at(10 + elapsed_s),
+        elapsed_s=elapsed_s,
+        surviving_share=share,
+    )
+
+
+def followup(seconds: float, message: str | None = None, **verdict: Any) -> FollowupMessage:
+    return FollowupMessage(
+        session_id="s1", request_id="r1", occurred_at=at(seconds), message=message, **verdict
+    )
+
+
+def distil(feedback: list[Feedback], **overrides: Any) -> RewardComponents:
+    return distil_components(
+        completion(**overrides), feedback, horizon_s=HORIZON_S, latency_budget_ms=BUDGET_MS
+    )
+
+
+# kept
+
+
+def test_kept_is_the_survival_at_the_horizon() -> None:
+    components = distil([accepted(), survival(30, 1.0), survival(300, 0.8), survival(900, 0.6)])
+    assert components.accepted is True
+    assert components.kept == 0.6
+    assert components.survival_elapsed_s == 900
+
+
+def test_kept_falls_back_to_the_latest_report_before_a_missing_horizon() -> None:
+    components = distil([accepted(), survival(30, 1.0), survival(600, 0.7)])
+    assert (components.kept, components.survival_elapsed_s) == (0.7, 600)
+
+
+def test_reports_after_the_horizon_are_ignored() -> None:
+    components = distil([accepted(), survival(120, 0.9), survival(1800, 0.1)])
+    assert (components.kept, components.survival_elapsed_s) == (0.9, 120)
+
+
+def test_accepted_edit_without_survival_report_is_not_yet_known() -> None:
+    components = distil([accepted()])
+    assert components.accepted is True
+    assert components.kept is None
+    assert components.survival_elapsed_s is None
+
+
+def test_rejected_edit_keeps_nothing() -> None:
+    components = distil([rejected()])
+    assert (components.accepted, components.kept) == (False, 0.0)
+
+
+def test_edit_requested_but_none_proposed_keeps_nothing() -> None:
+    components = distil([], proposed_edit=False)
+    assert components.kept == 0.0
+    assert compute_reward(components, 1) == 0.0
+
+
+def test_no_edit_asked_or_proposed_has_no_kept() -> None:
+    assert distil([], edit_requested=False, proposed_edit=False).kept is None
+
+
+def test_any_acceptance_wins_over_a_rejection() -> None:
+    components = distil([rejected(5), accepted(8), survival(900, 0.5)])
+    assert (components.accepted, components.kept) == (True, 0.5)
+
+
+def test_feedback_of_other_requests_is_ignored() -> None:
+    other = EditRejected(session_id="s1", request_id="r2", occurred_at=at(1))
+    components = distil([other, accepted(), survival(900, 0.9)])
+    assert (components.accepted, components.kept) == (True, 0.9)
+
+
+def test_duplicates_and_order_do_not_change_the_components() -> None:
+    feedback: list[Feedback] = [
+        accepted(),
+        survival(30, 1.0),
+        survival(120, 0.9),
+        survival(900, 0.75),
+        survival(1800, 0.2),
+        followup(60, "still failing"),
+        followup(400, "thanks, looks good"),
+    ]
+    expected = distil(feedback)
+    assert expected.kept == 0.75 and expected.dissatisfied is True
+    redelivered = [*feedback, *(feedback[i].model_copy() for i in (0, 3, 5))]
+    rng = random.Random(7)
+    for _ in range(50):
+        rng.shuffle(redelivered)
+        assert distil(redelivered) == expected
+
+
+# dissatisfied, latency, malformed
+
+
+def test_dissatisfied_is_classified_from_the_message() -> None:
+    assert distil([followup(60, "还是报错")]).dissatisfied is True
+    assert distil([followup(60, "thanks, now add tests")]).dissatisfied is False
+
+
+def test_dissatisfied_comes_from_the_verdict_without_a_message() -> None:
+    assert distil([followup(60, dissatisfied=True)]).dissatisfied is True
+    assert distil([followup(60, dissatisfied=False)]).dissatisfied is False
+
+
+def test_no_followup_means_dissatisfied_unknown() -> None:
+    assert distil([accepted()]).dissatisfied is None
+
+
+def test_the_first_followup_counts() -> None:
+    feedback: list[Feedback] = [followup(300, "revert that"), followup(60, "looks good")]
+    assert distil(feedback).dissatisfied is False
+
+
+def test_latency_over_budget() -> None:
+    assert distil([], latency_ms=BUDGET_MS).latency_over_budget is False
+    assert distil([], latency_ms=BUDGET_MS + 1).latency_over_budget is True
+
+
+def test_malformed_tool_calls_are_an_explicit_negative() -> None:
+    clean = distil([accepted(), survival(900, 1.0)], tool_calls=2)
+    malformed = distil([accepted(), survival(900, 1.0)], tool_calls=2, malformed_tool_calls=1)
+    assert malformed.malformed_tool_calls == 1
+    assert compute_reward(clean, 1) == 1.0
+    assert compute_reward(malformed, 1) == 0.0
+    with pytest.raises(ValueError):
+        RewardWeights(
+            kept_weight=1,
+            dissatisfied_penalty=0.5,
+            latency_penalty=0.2,
+            malformed_tool_call_penalty=0,
+            error_penalty=0.5,
+        )
+
+
+# reward versions
+
+
+def test_version_1_formula() -> None:
+    components = distil(
+        [accepted(), survival(900, 0.8), followup(60, "that's wrong")],
+        latency_ms=5000.0,
+        status="error",
+        tool_calls=1,
+        malformed_tool_calls=1,
+    )
+    assert compute_reward(components, 1) == pytest.approx(0.8 - 0.5 - 0.2 - 1.0 - 0.5)
+
+
+def test_missing_kept_counts_as_zero() -> None:
+    assert compute_reward(distil([accepted()]), 1) == 0.0
+
+
+def test_unknown_version_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown reward version 99; known versions: 1"):
+        compute_reward(distil([]), 99)
+    assert LATEST_REWARD_VERSION in REWARD_VERSIONS
+
+
+# finality
+
+
+def reason(feedback: list[Feedback], now: datetime, **overrides: Any) -> str | None:
+    return finalize_reason(
+        completion(**overrides), feedback, horizon_s=HORIZON_S, grace_s=GRACE_S, now=now
+    )
+
+
+def test_final_when_the_horizon_report_arrives() -> None:
+    assert reason([accepted(), survival(900, 0.5)], now=at(915)) == "horizon"
+
+
+def test_final_when_the_session_ends() -> None:
+    ended = SessionEnd(session_id="s1", request_id="r9", occurred_at=at(50))
+    assert reason([accepted(), survival(30, 1.0), ended], now=at(60)) == "session_end"
+
+
+def test_open_until_horizon_plus_grace_after_acceptance() -> None:
+    feedback: list[Feedback] = [accepted(100), survival(600, 0.9)]
+    due = at(100 + HORIZON_S + GRACE_S)
+    assert reward_due_at(completion(), feedback, horizon_s=HORIZON_S, grace_s=GRACE_S) == due
+    assert reason(feedback, now=due - timedelta(seconds=1)) is None
+    assert reason(feedback, now=due) == "timeout"
+
+
+def test_never_accepted_times_out_from_the_completion() -> None:
+    due = at(HORIZON_S + GRACE_S)
+    assert reason([rejected(5)], now=due - timedelta(seconds=1)) is None
+    assert reason([], now=due) == "timeout"
+    assert is_final(completion(), [], horizon_s=HORIZON_S, grace_s=GRACE_S, now=due)

@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
 import typer
+from sqlalchemy import select
 
 from app.config import SettingsError, get_settings
-from app.db import upgrade_schema
+from app.db import make_engine, session_scope, upgrade_schema
 from app.embedded.kafka import DEFAULT_TOPICS, ensure_topics
 from app.embedded.process import ServiceError
 from app.embedded.stack import EmbeddedStack, ServiceStatus
+from app.models import Checkpoint
+from app.serving.checkpoints import (
+    PublishError,
+    ensure_base_checkpoint,
+    publish_checkpoint,
+    reconcile,
+    retire_checkpoint,
+)
+from app.serving.replicas import ReplicaError
+from app.serving.vllm import VllmServer
 
 cli = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 services_cli = typer.Typer(no_args_is_help=True, help="Embedded Postgres, Kafka and Redis.")
 cli.add_typer(services_cli, name="services")
+checkpoints_cli = typer.Typer(no_args_is_help=True, help="Publish, list, retire checkpoints.")
+cli.add_typer(checkpoints_cli, name="checkpoints")
+model_cli = typer.Typer(no_args_is_help=True, help="The base model.")
+cli.add_typer(model_cli, name="model")
 
 
 def _print_statuses(statuses: list[ServiceStatus]) -> None:
@@ -59,11 +76,122 @@ def migrate() -> None:
     typer.echo("topics present and schema at head")
 
 
+@cli.command("serve")
+def serve(
+    detach: bool = typer.Option(False, help="Start in the background and return."),
+    stop: bool = typer.Option(False, help="Stop a server started with --detach."),
+) -> None:
+    """Serve the base model and every live checkpoint with vLLM (LoRA hot-loading on)."""
+    settings = get_settings()
+    server = VllmServer.from_settings(settings)
+    if stop:
+        server.stop()
+        typer.echo("vllm stopped")
+        return
+    typer.echo(f"starting vLLM for {settings.base_model_path} on {server.url} ...")
+    started = time.monotonic()
+    server.start()
+    typer.echo(f"vLLM healthy after {time.monotonic() - started:.1f} s (log: {server.log_file})")
+    engine = make_engine(settings.database_url)
+    try:
+        with session_scope(engine) as session:
+            ensure_base_checkpoint(session, str(settings.base_model_path))
+        report = reconcile(engine, [server.url])
+    finally:
+        engine.dispose()
+    for replica, names in report.loaded.items():
+        typer.echo(f"loaded on {replica}: {', '.join(names)}")
+    for error in report.errors:
+        typer.secho(f"warning: {error}", fg=typer.colors.YELLOW, err=True)
+    if detach:
+        typer.echo(f"serving in the background (pid {server.pid()}); stop with `rtrl serve --stop`")
+        return
+    typer.echo("serving; Ctrl-C stops")
+    try:
+        while server.pid() is not None:
+            time.sleep(1)
+        raise ServiceError(f"vllm exited unexpectedly; see {server.log_file}")
+    except KeyboardInterrupt:
+        typer.echo("stopping vLLM ...")
+    finally:
+        server.stop()
+
+
+@checkpoints_cli.command("list")
+def checkpoints_list() -> None:
+    """Every checkpoint with its status, parent and adapter location."""
+    engine = make_engine(get_settings().database_url)
+    try:
+        with session_scope(engine) as session:
+            rows = session.scalars(select(Checkpoint).order_by(Checkpoint.id)).all()
+            typer.echo(f"{'name':<12} {'status':<12} {'parent':<12} adapter")
+            for row in rows:
+                parent = row.parent.name if row.parent else "-"
+                typer.echo(
+                    f"{row.name:<12} {row.status:<12} {parent:<12} {row.adapter_path or '-'}"
+                )
+    finally:
+        engine.dispose()
+
+
+@checkpoints_cli.command("publish")
+def checkpoints_publish(
+    adapter_dir: Path = typer.Argument(..., help="A HF PEFT adapter directory."),
+    parent: str = typer.Option("base", help="The checkpoint it was trained from."),
+) -> None:
+    """Store an adapter as the next `ckpt-<n>`, load it into every replica, register it."""
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
+    try:
+        row = publish_checkpoint(
+            engine,
+            adapter_dir,
+            parent=parent,
+            replicas=settings.vllm_urls,
+            checkpoints_dir=settings.checkpoints_dir.resolve(),
+            base_model=str(settings.base_model_path),
+        )
+    finally:
+        engine.dispose()
+    typer.echo(f"published {row.name} ({row.status}); ask for it with model={row.name}")
+
+
+@checkpoints_cli.command("retire")
+def checkpoints_retire(name: str) -> None:
+    """Retire a checkpoint and unload it from every replica."""
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
+    try:
+        failed = retire_checkpoint(engine, name, settings.vllm_urls)
+    finally:
+        engine.dispose()
+    typer.echo(f"retired {name}")
+    for replica in failed:
+        typer.secho(f"warning: {replica} still serves it until reconcile", err=True)
+
+
+@checkpoints_cli.command("reconcile")
+def checkpoints_reconcile() -> None:
+    """Make every replica serve exactly the candidate, canary and production checkpoints."""
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
+    try:
+        report = reconcile(engine, settings.vllm_urls)
+    finally:
+        engine.dispose()
+    for replica in settings.vllm_urls:
+        loaded = ", ".join(report.loaded.get(replica, [])) or "-"
+        unloaded = ", ".join(report.unloaded.get(replica, [])) or "-"
+        typer.echo(f"{replica}: loaded {loaded}; unloaded {unloaded}")
+    if report.errors:
+        raise ServiceError("; ".join(report.errors))
+
+
 def main() -> None:
     """Entry point: clear one-line errors instead of stack traces for known failures."""
     try:
         cli()
-    except (SettingsError, ServiceError) as exc:
+    except (SettingsError, ServiceError, PublishError, ReplicaError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(1)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from sqlalchemy import DateTime, Enum, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import DateTime, Enum, ForeignKey, Index, Integer, Sequence, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from app.models.base import Base, CreatedAt
@@ -16,6 +16,10 @@ class CheckpointStatus(enum.StrEnum):
     retired = "retired"
     rolled_back = "rolled_back"
 
+
+# Numbers for `ckpt-<n>` names; a sequence never hands out a number twice, even when the
+# transaction that drew it rolls back, so names are never reused.
+CHECKPOINT_NUMBER_SEQ = Sequence("checkpoint_number_seq", metadata=Base.metadata)
 
 LIVE_STATUSES = (CheckpointStatus.candidate, CheckpointStatus.canary, CheckpointStatus.production)
 

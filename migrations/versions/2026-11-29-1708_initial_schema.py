@@ -18,6 +18,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    op.execute(sa.schema.CreateSequence(sa.Sequence("checkpoint_number_seq")))
     op.create_table(
         "alerts",
         sa.Column("id", sa.BigInteger(), nullable=False),
@@ -434,3 +435,4 @@ def downgrade() -> None:
     op.drop_table("api_keys")
     op.drop_index("ix_alerts_checkpoint_created_at", table_name="alerts")
     op.drop_table("alerts")
+    op.execute(sa.schema.DropSequence(sa.Sequence("checkpoint_number_seq")))

@@ -1,0 +1,68 @@
+"""Talking to vLLM replicas about LoRA adapters: list, load, unload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+
+class ReplicaError(RuntimeError):
+    """A replica could not be reached or refused a request; the message names it."""
+
+    def __init__(self, replica: str, message: str) -> None:
+        super().__init__(f"vLLM replica {replica}: {message}")
+        self.replica = replica
+
+
+def _request(
+    replica: str, method: str, path: str, *, json: object = None, timeout: float = 60.0
+) -> httpx.Response:
+    try:
+        return httpx.request(method, f"{replica}{path}", json=json, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ReplicaError(replica, f"unreachable ({exc.__class__.__name__}: {exc})") from exc
+
+
+def model_entries(replica: str, *, timeout: float = 10.0) -> list[dict[str, object]]:
+    """The replica's `/v1/models` entries: the base model and every loaded adapter."""
+    response = _request(replica, "GET", "/v1/models", timeout=timeout)
+    if response.status_code != 200:
+        raise ReplicaError(replica, f"GET /v1/models answered {response.status_code}")
+    entries: list[dict[str, object]] = response.json().get("data", [])
+    return entries
+
+
+def served_models(replica: str, *, timeout: float = 10.0) -> list[str]:
+    """Every model name the replica answers to (base and adapters)."""
+    return [str(entry["id"]) for entry in model_entries(replica, timeout=timeout)]
+
+
+def served_adapters(replica: str) -> dict[str, str]:
+    """LoRA adapters the replica serves now: name → path it loaded them from."""
+    return {
+        str(entry["id"]): str(entry.get("root", ""))
+        for entry in model_entries(replica)
+        if entry.get("parent")
+    }
+
+
+def load_adapter(replica: str, name: str, path: Path) -> None:
+    """Load the adapter at `path` as model `name`, then check /v1/models lists it."""
+    response = _request(
+        replica,
+        "POST",
+        "/v1/load_lora_adapter",
+        json={"lora_name": name, "lora_path": str(path)},
+    )
+    if response.status_code != 200:
+        raise ReplicaError(replica, f"loading {name} failed: {response.text.strip()[:500]}")
+    if name not in served_adapters(replica):
+        raise ReplicaError(replica, f"loaded {name} but /v1/models does not list it")
+
+
+def unload_adapter(replica: str, name: str) -> None:
+    """Stop serving adapter `name`; unloading one that is not loaded is not an error."""
+    response = _request(replica, "POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+    if response.status_code != 200 and name in served_adapters(replica):
+        raise ReplicaError(replica, f"unloading {name} failed: {response.text.strip()[:500]}")

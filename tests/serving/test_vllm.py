@@ -1,0 +1,215 @@
+"""The launcher starts a real vLLM that serves the base and hot-loaded LoRAs, then stops clean."""
+
+from __future__ import annotations
+
+import math
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from transformers import AutoTokenizer
+
+from app.embedded.process import ServiceError, free_port
+from app.serving.replicas import served_models
+from app.serving.vllm import VllmServer, wait_until_healthy
+
+
+def post(server: VllmServer, path: str, body: Mapping[str, object]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def first_token_top_logprobs(server: VllmServer, model: str) -> dict[str, float]:
+    response = post(
+        server,
+        "/v1/completions",
+        {"model": model, "prompt": "def add x", "max_tokens": 1, "logprobs": 5},
+    )
+    response.raise_for_status()
+    top: dict[str, float] = response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    return top
+
+
+def test_models_lists_the_base_under_its_stable_name(
+    vllm_server: VllmServer, tiny_model_dir: Path
+) -> None:
+    models = httpx.get(f"{vllm_server.url}/v1/models", timeout=10).json()["data"]
+    base = next(model for model in models if model["id"] == "base")
+    assert Path(base["root"]) == tiny_model_dir.resolve()
+    assert base["max_model_len"] == 512
+
+
+def test_completion_answers_with_token_ids_and_logprobs(
+    vllm_server: VllmServer, tiny_model_dir: Path
+) -> None:
+    response = post(
+        vllm_server,
+        "/v1/completions",
+        {
+            "model": "base",
+            "prompt": "def add x",
+            "max_tokens": 8,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "seed": 7,
+        },
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    choice = body["choices"][0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert choice["prompt_token_ids"] == tokenizer.encode("def add x")
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(choice["token_ids"]) == len(logprobs) == body["usage"]["completion_tokens"] > 0
+    assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
+
+
+def test_chat_completion_answers_with_token_ids_and_logprobs(
+    vllm_server: VllmServer, tiny_model_dir: Path
+) -> None:
+    messages = [{"role": "user", "content": "fix the bug in add"}]
+    response = post(
+        vllm_server,
+        "/v1/chat/completions",
+        {
+            "model": "base",
+            "messages": messages,
+            "max_tokens": 8,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+            "seed": 7,
+        },
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected_prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert body["prompt_token_ids"] == expected_prompt
+    choice = body["choices"][0]
+    logprobs = [token["logprob"] for token in choice["logprobs"]["content"]]
+    assert len(choice["token_ids"]) == len(logprobs) == body["usage"]["completion_tokens"] > 0
+    assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
+
+
+def test_loaded_lora_answers_under_its_name_with_its_own_logprobs(
+    vllm_server: VllmServer, lora_dir: Path
+) -> None:
+    started = time.perf_counter()
+    response = post(
+        vllm_server,
+        "/v1/load_lora_adapter",
+        {"lora_name": "lora-by-hand", "lora_path": str(lora_dir)},
+    )
+    print(f"load_lora_adapter took {(time.perf_counter() - started) * 1000:.0f} ms")
+    assert response.status_code == 200, response.text
+
+    assert "lora-by-hand" in served_models(vllm_server.url)
+    assert first_token_top_logprobs(vllm_server, "lora-by-hand") != first_token_top_logprobs(
+        vllm_server, "base"
+    )
+
+
+def test_unloaded_lora_no_longer_answers(vllm_server: VllmServer, lora_dir: Path) -> None:
+    body = {"lora_name": "ckpt-retired", "lora_path": str(lora_dir)}
+    assert post(vllm_server, "/v1/load_lora_adapter", body).status_code == 200
+    assert post(vllm_server, "/v1/unload_lora_adapter", {"lora_name": "ckpt-retired"}).is_success
+
+    response = post(vllm_server, "/v1/completions", {"model": "ckpt-retired", "prompt": "x"})
+    assert response.status_code == 404
+
+
+def test_unknown_adapter_is_not_found_by_name(vllm_server: VllmServer) -> None:
+    response = post(
+        vllm_server,
+        "/v1/completions",
+        {"model": "ckpt-404", "prompt": "def add x", "max_tokens": 4},
+    )
+    assert response.status_code == 404
+    assert "ckpt-404" in response.json()["error"]["message"]
+
+
+def test_start_is_a_no_op_when_the_server_already_runs(vllm_server: VllmServer) -> None:
+    pid = vllm_server.pid()
+    vllm_server.start(timeout=10)
+    assert vllm_server.pid() == pid
+
+
+def test_start_refuses_a_port_where_vllm_already_answers(
+    vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    other = VllmServer(vllm_server.model_dir, vllm_server.port, root=tmp_path)
+    with pytest.raises(ServiceError, match="already used by a vLLM server"):
+        other.start()
+
+
+def test_start_refuses_a_taken_port(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        server = VllmServer(tiny_model_dir, sock.getsockname()[1], root=tmp_path)
+        with pytest.raises(ServiceError, match="already used by another process"):
+            server.start()
+    assert not server.pid_file.exists()
+
+
+def test_start_refuses_a_missing_model_dir(tmp_path: Path) -> None:
+    server = VllmServer(tmp_path / "missing", free_port(), root=tmp_path / "vllm")
+    with pytest.raises(ServiceError, match="does not exist"):
+        server.start()
+
+
+def test_start_refuses_a_dir_without_config_json(tmp_path: Path) -> None:
+    server = VllmServer(tmp_path, free_port(), root=tmp_path / "vllm")
+    with pytest.raises(ServiceError, match=r"has no config\.json"):
+        server.start()
+
+
+def test_waiting_fails_early_with_the_log_tail_when_the_server_exits(tmp_path: Path) -> None:
+    log_file = tmp_path / "vllm.log"
+    with log_file.open("wb") as log:
+        crashed = subprocess.Popen(
+            [sys.executable, "-c", "print('ValueError: no-such-architecture'); exit(3)"],
+            stdout=log,
+        )
+    started = time.monotonic()
+
+    with pytest.raises(ServiceError, match="exited with code 3") as failure:
+        wait_until_healthy(
+            f"http://127.0.0.1:{free_port()}", 60, process=crashed, log_file=log_file
+        )
+
+    assert time.monotonic() - started < 10
+    assert "no-such-architecture" in str(failure.value)
+
+
+def test_waiting_gives_up_after_the_timeout() -> None:
+    with pytest.raises(ServiceError, match=r"not healthy .* within 1 s"):
+        wait_until_healthy(f"http://127.0.0.1:{free_port()}", 1)
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_stop_leaves_no_process_behind(vllm_server: VllmServer) -> None:
+    pid = vllm_server.pid()
+    assert pid is not None
+    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    assert len(tree) >= 2, "vLLM runs its engine core in a child process"
+
+    vllm_server.stop()
+
+    assert [process.pid for process in tree if alive(process)] == []
+    assert vllm_server.pid() is None
+    assert not vllm_server.healthy()

@@ -24,6 +24,8 @@ from app.serving.checkpoints import (
 )
 from app.serving.replicas import ReplicaError
 from app.serving.vllm import VllmServer
+from trainer.config import TrainConfig
+from trainer.lock import CycleBusy
 
 cli = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 services_cli = typer.Typer(no_args_is_help=True, help="Embedded Postgres, Kafka and Redis.")
@@ -32,6 +34,8 @@ checkpoints_cli = typer.Typer(no_args_is_help=True, help="Publish, list, retire 
 cli.add_typer(checkpoints_cli, name="checkpoints")
 model_cli = typer.Typer(no_args_is_help=True, help="The base model.")
 cli.add_typer(model_cli, name="model")
+rewards_cli = typer.Typer(no_args_is_help=True, help="Reward records.")
+cli.add_typer(rewards_cli, name="rewards")
 
 
 def _print_statuses(statuses: list[ServiceStatus]) -> None:
@@ -187,11 +191,88 @@ def checkpoints_reconcile() -> None:
         raise ServiceError("; ".join(report.errors))
 
 
+@cli.command("worker")
+def worker(
+    group_id: str = typer.Option("rtrl-workers", help="Kafka consumer group."),
+    max_records: int = typer.Option(2000, help="Messages per batch (one DB transaction)."),
+    log_level: str = typer.Option("INFO", help="Logging level."),
+) -> None:
+    """Consume completions and feedback into samples and rewards until SIGTERM/Ctrl-C."""
+    from workers.__main__ import main as worker_main
+
+    worker_main(
+        ["--group-id", group_id, "--max-records", str(max_records), "--log-level", log_level]
+    )
+
+
+@rewards_cli.command("recompute")
+def rewards_recompute(
+    version: int = typer.Option(..., "--version", help="Reward formula version to apply."),
+) -> None:
+    """Replay reward formula VERSION over the stored components of every finalized reward."""
+    from workers.sweep import recompute_rewards
+
+    engine = make_engine(get_settings().database_url)
+    try:
+        changed = recompute_rewards(engine, version)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--version") from None
+    finally:
+        engine.dispose()
+    typer.echo(f"recomputed {changed} finalized rewards with formula version {version}")
+
+
+@cli.command("train")
+def train(
+    once: bool = typer.Option(True, "--once", help="Run one cycle now and exit."),
+    min_samples: int = typer.Option(TrainConfig.min_samples, help="Skip below this many samples."),
+    learning_rate: float = typer.Option(TrainConfig.learning_rate, help="AdamW learning rate."),
+    epochs: int = typer.Option(TrainConfig.epochs, help="Passes over the batch."),
+) -> None:
+    """Run one training cycle on the production checkpoint's rewards (`--once`)."""
+    from trainer.cycle import run_cycle
+
+    settings = get_settings()
+    config = TrainConfig(min_samples=min_samples, learning_rate=learning_rate, epochs=epochs)
+    engine = make_engine(settings.database_url)
+    try:
+        result = run_cycle(settings, config, engine=engine, progress=typer.echo)
+    finally:
+        engine.dispose()
+    typer.echo(
+        f"run {result.run_id}: {result.status}"
+        + (f" ({result.reason})" if result.reason else "")
+        + (f" -> {result.checkpoint}" if result.checkpoint else "")
+    )
+
+
+@cli.command("trainer")
+def trainer_loop() -> None:
+    """Run a training cycle every RTRL_TRAIN_INTERVAL until interrupted (one at a time)."""
+    import logging
+    import signal
+    import threading
+
+    from trainer.scheduler import run_scheduler
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = get_settings()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    engine = make_engine(settings.database_url)
+    try:
+        run_scheduler(settings, TrainConfig(), engine=engine, stop=stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.dispose()
+
+
 def main() -> None:
     """Entry point: clear one-line errors instead of stack traces for known failures."""
     try:
         cli()
-    except (SettingsError, ServiceError, PublishError, ReplicaError) as exc:
+    except (SettingsError, ServiceError, PublishError, ReplicaError, CycleBusy) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(1)
 

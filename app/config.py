@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -73,6 +73,27 @@ class Settings(BaseSettings):
 
     reward_grace: timedelta = timedelta(minutes=2)
     """How long past the survival horizon a reward waits for late reports before the sweep."""
+
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(default=8080, ge=1, le=65535)
+
+    user_hash_secret: SecretStr = SecretStr("rtrl-development-only")
+    """Key of the HMAC that turns user ids into the hashes stored and used for A/B buckets."""
+
+    rate_limit_per_minute: int = Field(default=600, ge=1)
+    """Requests per minute per API key, unless the key sets its own."""
+
+    max_request_bytes: int = Field(default=1_000_000, ge=1024)
+    """Largest request body the gateway accepts."""
+
+    max_feedback_batch: int = Field(default=500, ge=1)
+    """Most events one `POST /v1/feedback` may carry."""
+
+    upstream_timeout_s: float = Field(default=120.0, gt=0)
+    """How long the gateway waits for a vLLM replica."""
+
+    spool_memory_events: int = Field(default=10_000, ge=100)
+    """Events held in memory for Kafka; beyond that (or while Kafka is down) they go to disk."""
 
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
@@ -149,6 +170,10 @@ class Settings(BaseSettings):
     @property
     def logs_dir(self) -> Path:
         return self.data_dir / "logs"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.data_dir / "spool"
 
 
 def load_settings() -> Settings:

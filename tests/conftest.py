@@ -136,6 +136,9 @@ def build_random_lora(model_dir: Path, adapter_dir: Path, seed: int = 1) -> None
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reuse = os.environ.get("RTRL_TEST_BASE_MODEL")
+    if reuse:
+        return Path(reuse)
     model_dir = tmp_path_factory.mktemp("tiny-llama")
     build_tiny_llama(model_dir)
     return model_dir
@@ -158,7 +161,6 @@ def vllm_server(
         port=free_port(),
         root=tmp_path_factory.mktemp("vllm"),
         dtype="float32",
-        max_model_len=512,
     )
     server.start(timeout=300)
     try:

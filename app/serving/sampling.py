@@ -1,0 +1,62 @@
+"""Sampling completions from a vLLM replica with the token ids and logprobs it used."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from app.serving.replicas import ReplicaError
+
+
+@dataclass(frozen=True)
+class ServedCompletion:
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+
+
+def sample_completions(
+    replica: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int = 48,
+    temperature: float = 1.0,
+    timeout: float = 300.0,
+) -> list[ServedCompletion]:
+    """One completion per prompt (token ids in), as the behaviour policy sampled it.
+
+    No per-request `seed`: vLLM's CPU backend kills its engine on a seeded request
+    ("CPU Generator does not use offset").
+    """
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": [list(prompt) for prompt in prompts],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    try:
+        response = httpx.post(f"{replica}/v1/completions", json=body, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ReplicaError(replica, f"unreachable ({exc})") from exc
+    if response.status_code != 200:
+        raise ReplicaError(
+            replica, f"completions answered {response.status_code}: {response.text[:300]}"
+        )
+    choices = sorted(response.json()["choices"], key=lambda choice: choice["index"])
+    return [
+        ServedCompletion(
+            prompt_token_ids=list(prompt),
+            completion_token_ids=list(choice["token_ids"]),
+            logprobs=[float(lp) for lp in choice["logprobs"]["token_logprobs"]],
+            text=choice["text"],
+            finish_reason=choice.get("finish_reason"),
+        )
+        for prompt, choice in zip(prompts, choices, strict=True)
+    ]

@@ -1,0 +1,298 @@
+"""One real training cycle: samples served by vLLM, rewards in Postgres, update, publish."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+from safetensors.torch import load_file
+from sqlalchemy import Engine, func, select, text
+from transformers import PreTrainedTokenizerFast
+
+from app.config import Settings
+from app.db import session_scope
+from app.models import (
+    Checkpoint,
+    CheckpointStatus,
+    Experiment,
+    ExperimentStatus,
+    Reward,
+    Sample,
+    TrainingRun,
+    TrainingRunStatus,
+)
+from app.serving.checkpoints import ensure_base_checkpoint
+from app.serving.sampling import ServedCompletion, sample_completions
+from app.serving.vllm import VllmServer
+from app.tasks import Task, check_solution, extract_code, train_tasks
+from trainer import cycle as cycle_module
+from trainer.bootstrap import prompt_ids
+from trainer.config import TrainConfig
+from trainer.cycle import run_cycle
+from trainer.lock import CycleBusy, trainer_lock
+
+Served = list[tuple[Task, ServedCompletion]]
+
+
+def solves(task: Task, completion: ServedCompletion) -> bool:
+    return check_solution(task, extract_code(completion.text) or "")
+
+
+def sample(server: VllmServer, model_dir: Path, model: str, tasks: list[Task]) -> Served:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    prompts = [prompt_ids(tokenizer, task.request) for task in tasks]
+    completions = sample_completions(server.url, model, prompts, max_tokens=48)
+    return list(zip(tasks, completions, strict=True))
+
+
+@pytest.fixture(scope="module")
+def base_served(vllm_server: VllmServer, tiny_model_dir: Path) -> Served:
+    """Completions the base model served for training tasks, with vLLM's logprobs."""
+    return sample(vllm_server, tiny_model_dir, "base", train_tasks(seed=7, n=256))
+
+
+@pytest.fixture
+def registry(engine: Engine, tiny_model_dir: Path) -> Iterator[Engine]:
+    """A clean slate: only the base checkpoint, in production, and no samples or runs."""
+    with engine.begin() as connection:
+        connection.execute(
+            text(
+                "TRUNCATE rewards, samples, feedback_events, training_runs, arms, experiments,"
+                " checkpoints CASCADE"
+            )
+        )
+    with session_scope(engine) as session:
+        ensure_base_checkpoint(session, str(tiny_model_dir))
+    yield engine
+
+
+def record(
+    engine: Engine,
+    served: Served,
+    reward: Callable[[Task, ServedCompletion], float],
+    *,
+    logprob_shift: float = 0.0,
+) -> None:
+    """Store served completions as base-model samples with finalized rewards."""
+    now = datetime.now(UTC)
+    with session_scope(engine) as session:
+        for task, completion in served:
+            row = Sample(
+                event_id=uuid4(),
+                request_id=f"req-{uuid4().hex}",
+                session_id="trainer-test",
+                user_hash="u",
+                checkpoint="base",
+                privacy=False,
+                trainable=True,
+                edit_requested=True,
+                proposed_edit=extract_code(completion.text) is not None,
+                prompt_token_ids=completion.prompt_token_ids,
+                completion_token_ids=completion.completion_token_ids,
+                behaviour_logprobs=[lp + logprob_shift for lp in completion.logprobs],
+                completion_text=completion.text,
+                status="ok",
+                ttft_ms=1.0,
+                latency_ms=2.0,
+                served_at=now,
+            )
+            session.add(row)
+            session.flush()
+            session.add(
+                Reward(
+                    sample_id=row.id,
+                    components={"task": task.task_id},
+                    reward=reward(task, completion),
+                    reward_version=1,
+                    due_at=now,
+                    finalized_at=now,
+                    finalize_reason="horizon",
+                )
+            )
+
+
+def settings_for(server: VllmServer, model_dir: Path, data_dir: Path) -> Settings:
+    return Settings(data_dir=data_dir, vllm_urls=[server.url], base_model=model_dir)
+
+
+def fast_config(**overrides: object) -> TrainConfig:
+    config = TrainConfig(
+        min_samples=64,
+        epochs=4,
+        learning_rate=2e-3,
+        minibatch_size=64,
+        micro_batch_size=32,
+        eval_tasks=32,
+        eval_max_regression=0.25,
+        eval_max_kl=5.0,
+    )
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def published_checkpoints(engine: Engine) -> list[str]:
+    with session_scope(engine) as session:
+        return list(session.scalars(select(Checkpoint.name).where(Checkpoint.name != "base")))
+
+
+def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    base_served: Served,
+    tmp_path: Path,
+) -> None:
+    record(registry, base_served, lambda task, done: float(solves(task, done)))
+
+    result = run_cycle(
+        settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
+    )
+
+    assert result.status == TrainingRunStatus.published, result.reason
+    assert result.checkpoint is not None
+    with session_scope(registry) as session:
+        checkpoint = session.scalar(select(Checkpoint).where(Checkpoint.name == result.checkpoint))
+        assert checkpoint is not None and checkpoint.status == CheckpointStatus.canary
+        experiment = session.scalar(
+            select(Experiment).where(Experiment.status == ExperimentStatus.running)
+        )
+        assert experiment is not None
+        weights = {arm.name: arm.weight_bps for arm in experiment.arms}
+        assert weights == {"control": 9000, "treatment": 1000}
+        run = session.get_one(TrainingRun, result.run_id)
+        assert run.sample_count == len(base_served)
+        assert run.stats is not None and run.stats["tokens_per_s"] > 0
+        adapter_path = Path(str(checkpoint.adapter_path))
+
+    # Parameters changed: a fresh LoRA starts with B = 0, so any non-zero B was learnt.
+    weights_after = load_file(str(adapter_path / "adapter_model.safetensors"))
+    lora_b = [tensor for name, tensor in weights_after.items() if "lora_B" in name]
+    assert lora_b and max(float(t.abs().max()) for t in lora_b) > 0
+
+    # The rewarded behaviour (solving the task) is more frequent when vLLM samples the
+    # new checkpoint, on the same prompts, in fresh samples.
+    tasks = [task for task, _ in base_served]
+    before = sample(vllm_server, tiny_model_dir, "base", tasks)
+    after = sample(vllm_server, tiny_model_dir, result.checkpoint, tasks)
+    rate_before = sum(solves(t, c) for t, c in before) / len(before)
+    rate_after = sum(solves(t, c) for t, c in after) / len(after)
+    print(f"pass rate sampled through vLLM: base {rate_before:.3f} -> new {rate_after:.3f}")
+    assert rate_after > rate_before + 0.05
+
+
+def test_too_few_samples_records_a_skipped_run(
+    registry: Engine, vllm_server: VllmServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    result = run_cycle(
+        settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
+    )
+    assert result.status == TrainingRunStatus.skipped
+    assert result.reason is not None and "0 finalized on-policy samples" in result.reason
+    assert published_checkpoints(registry) == []
+
+
+def test_drift_between_serving_and_training_refuses_to_train(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    base_served: Served,
+    tmp_path: Path,
+) -> None:
+    record(registry, base_served[:64], lambda *_: 1.0, logprob_shift=0.05)
+    result = run_cycle(
+        settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
+    )
+    assert result.status == TrainingRunStatus.refused
+    assert result.reason is not None and "drift" in result.reason
+    assert published_checkpoints(registry) == []
+
+
+def test_a_candidate_that_fails_the_eval_gate_is_not_published(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    base_served: Served,
+    tmp_path: Path,
+) -> None:
+    record(registry, base_served[:64], lambda task, done: float(solves(task, done)))
+    result = run_cycle(
+        settings_for(vllm_server, tiny_model_dir, tmp_path),
+        fast_config(epochs=1, eval_max_kl=0.0),
+        engine=registry,
+    )
+    assert result.status == TrainingRunStatus.rejected
+    assert result.reason is not None and "KL to production" in result.reason
+    assert published_checkpoints(registry) == []
+
+
+def test_only_one_cycle_runs_at_a_time(
+    registry: Engine, vllm_server: VllmServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with trainer_lock(registry), pytest.raises(CycleBusy):
+        run_cycle(
+            settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
+        )
+
+
+class ProcessDied(BaseException):
+    """Stands in for the trainer being killed: no `except Exception` handler runs."""
+
+
+def test_a_crash_between_saving_and_registering_leaves_nothing_half_published(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    base_served: Served,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    record(registry, base_served[:64], lambda task, done: float(solves(task, done)))
+    settings = settings_for(vllm_server, tiny_model_dir, tmp_path)
+
+    def die(*args: object, **kwargs: object) -> None:
+        raise ProcessDied
+
+    monkeypatch.setattr(cycle_module, "publish_checkpoint", die)
+    with pytest.raises(ProcessDied):
+        run_cycle(settings, fast_config(epochs=1), engine=registry)
+    assert list((tmp_path / "runs").glob("run-*/adapter/adapter_model.safetensors"))
+    assert published_checkpoints(registry) == []
+
+    monkeypatch.undo()
+    result = run_cycle(settings, fast_config(epochs=1), engine=registry)
+    with session_scope(registry) as session:
+        statuses = dict(session.execute(select(TrainingRun.id, TrainingRun.status)).all())
+        reasons = session.scalars(select(TrainingRun.reason)).all()
+    assert statuses[result.run_id] == TrainingRunStatus.published
+    assert sorted(statuses.values()) == [TrainingRunStatus.failed, TrainingRunStatus.published]
+    assert any("died" in (reason or "") for reason in reasons)
+    assert published_checkpoints(registry) == [result.checkpoint]
+
+
+def test_privacy_and_untrainable_samples_are_never_selected(
+    registry: Engine, base_served: Served
+) -> None:
+    from trainer.data import select_on_policy_batch
+
+    record(registry, base_served[:10], lambda *_: 1.0)
+    with session_scope(registry) as session:
+        ids = session.scalars(select(Sample.id).order_by(Sample.id)).all()
+        session.execute(
+            Sample.__table__.update().where(Sample.id.in_(ids[:3])).values(privacy=True)
+        )
+        session.execute(
+            Sample.__table__.update().where(Sample.id.in_(ids[3:5])).values(trainable=False)
+        )
+        session.execute(
+            Reward.__table__.update().where(Reward.sample_id == ids[5]).values(finalized_at=None)
+        )
+        production = session.scalar(select(Checkpoint).where(Checkpoint.name == "base"))
+        assert production is not None
+        batch = select_on_policy_batch(session, production, max_samples=100)
+        total = session.scalar(select(func.count()).select_from(Sample))
+    assert total == 10
+    assert sorted(s.sample_id for s in batch.samples) == sorted(ids[6:])

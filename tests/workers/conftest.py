@@ -1,0 +1,211 @@
+"""Fixtures for the worker tests: unique topics, a producer, events with unique ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from kafka import KafkaProducer
+from sqlalchemy import Connection, Engine, select
+
+from app.embedded.kafka import ensure_topics
+from app.embedded.stack import EmbeddedStack
+from app.events import (
+    CompletionEvent,
+    EditAccepted,
+    EditRejected,
+    EditSurvival,
+    FollowupMessage,
+    SessionEnd,
+    encode,
+)
+from workers.config import WorkerConfig
+from workers.repository import make_worker_engine, rewards, samples
+from workers.rewards import Feedback
+
+PARTITIONS = 4
+
+
+@dataclasses.dataclass
+class Events:
+    """Builds events whose session and request ids carry this test's unique prefix."""
+
+    prefix: str
+    served_at: datetime
+
+    def session(self, n: int) -> str:
+        return f"{self.prefix}-s{n}"
+
+    def request(self, n: int) -> str:
+        return f"{self.prefix}-r{n}"
+
+    def completion(self, n: int, *, session: int | None = None, **fields: Any) -> CompletionEvent:
+        defaults: dict[str, Any] = {
+            "session_id": self.session(n if session is None else session),
+            "request_id": self.request(n),
+            "occurred_at": self.served_at,
+            "checkpoint": "ckpt-test",
+            "user_hash": "u" + self.prefix,
+            "edit_requested": True,
+            "proposed_edit": True,
+            "prompt_messages": [{"role": "user", "content": 'Write f(x), {quoted} "x", 不对'}],
+            "prompt_token_ids": [1, 2, 3],
+            "completion_token_ids": [4, 5],
+            "behaviour_logprobs": [-0.5, -0.25],
+            "completion_text": "def f(x):\n    return x + 3\n",
+            "completion_chars": 27,
+            "ttft_ms": 50.0,
+            "latency_ms": 400.0,
+        }
+        if fields.get("privacy"):
+            for content in (
+                "prompt_messages",
+                "prompt_token_ids",
+                "completion_token_ids",
+                "behaviour_logprobs",
+            ):
+                defaults[content] = None
+            defaults["completion_text"] = None
+        return CompletionEvent(**(defaults | fields))
+
+    def _common(self, n: int, after_s: float, session: int | None) -> dict[str, Any]:
+        return {
+            "session_id": self.session(n if session is None else session),
+            "request_id": self.request(n),
+            "occurred_at": self.served_at + timedelta(seconds=after_s),
+        }
+
+    def accepted(self, n: int, after_s: float = 5, session: int | None = None) -> EditAccepted:
+        return EditAccepted(**self._common(n, after_s, session))
+
+    def rejected(self, n: int, after_s: float = 5, session: int | None = None) -> EditRejected:
+        return EditRejected(**self._common(n, after_s, session))
+
+    def survival(
+        self, n: int, elapsed_s: float, share: float, session: int | None = None
+    ) -> EditSurvival:
+        return EditSurvival(
+            **self._common(n, 5 + elapsed_s, session), elapsed_s=elapsed_s, surviving_share=share
+        )
+
+    def followup(
+        self, n: int, message: str | None, after_s: float = 30, session: int | None = None
+    ) -> FollowupMessage:
+        return FollowupMessage(**self._common(n, after_s, session), message=message)
+
+    def session_end(self, n: int, after_s: float = 60, session: int | None = None) -> SessionEnd:
+        return SessionEnd(**self._common(n, after_s, session))
+
+
+@pytest.fixture
+def events() -> Events:
+    return Events(prefix=f"t{uuid.uuid4().hex[:10]}", served_at=datetime.now(UTC))
+
+
+@pytest.fixture
+def conn(engine: Engine) -> Iterator[Connection]:
+    """A connection inside a transaction that is rolled back after the test."""
+    with engine.connect() as connection:
+        transaction = connection.begin()
+        try:
+            yield connection
+        finally:
+            transaction.rollback()
+
+
+@pytest.fixture(scope="session")
+def worker_engine(stack: EmbeddedStack) -> Iterator[Engine]:
+    engine = make_worker_engine(stack.postgres.url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def worker_config(stack: EmbeddedStack) -> WorkerConfig:
+    """Fresh topics and consumer group for one test, short group timeouts, no housekeeping."""
+    suffix = uuid.uuid4().hex[:10]
+    config = WorkerConfig(
+        completions_topic=f"test.completions.{suffix}",
+        feedback_topic=f"test.feedback.{suffix}",
+        dlq_topic=f"test.dlq.{suffix}",
+        group_id=f"test-workers-{suffix}",
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=1000,
+        poll_timeout_ms=200,
+        sweep_interval_s=None,
+        monitor_interval_s=None,
+    )
+    ensure_topics(
+        stack.kafka.url,
+        {
+            config.completions_topic: PARTITIONS,
+            config.feedback_topic: PARTITIONS,
+            config.dlq_topic: 1,
+        },
+    )
+    return config
+
+
+@pytest.fixture(scope="session")
+def producer(stack: EmbeddedStack) -> Iterator[KafkaProducer]:
+    producer = KafkaProducer(
+        bootstrap_servers=stack.kafka.url, acks="all", enable_idempotence=True, linger_ms=5
+    )
+    yield producer
+    producer.close(timeout=10)
+
+
+@pytest.fixture
+def publish(producer: KafkaProducer, worker_config: WorkerConfig) -> Callable[..., None]:
+    """Send events (or raw bytes) to the test's topics, keyed by session like the gateway."""
+
+    def send(*items: CompletionEvent | Feedback | tuple[str, bytes]) -> None:
+        for item in items:
+            if isinstance(item, tuple):
+                topic, value = item
+                producer.send(topic, key=b"poison", value=value)
+                continue
+            topic = (
+                worker_config.completions_topic
+                if isinstance(item, CompletionEvent)
+                else worker_config.feedback_topic
+            )
+            producer.send(topic, key=item.session_id.encode(), value=encode(item))
+        producer.flush()
+
+    return send
+
+
+@pytest.fixture
+def read_rewards(worker_engine: Engine) -> Callable[[str], dict[str, Any]]:
+    """Reads the reward rows of the samples whose request id starts with a prefix."""
+
+    def read(prefix: str) -> dict[str, Any]:
+        with worker_engine.connect() as connection:
+            rows = connection.execute(
+                select(samples.c.request_id, rewards)
+                .join(rewards, rewards.c.sample_id == samples.c.id)
+                .where(samples.c.request_id.startswith(prefix))
+            )
+            return {row.request_id: row for row in rows}
+
+    return read
+
+
+@pytest.fixture
+def wait_for() -> Callable[[Callable[[], bool], float, str], None]:
+    """Waits until a condition holds, or fails saying what it waited for."""
+
+    def wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            time.sleep(0.1)
+
+    return wait

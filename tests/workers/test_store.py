@@ -1,0 +1,212 @@
+"""The worker's Postgres handlers as plain functions: no broker, one rolled-back transaction."""
+
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from app.events import CompletionEvent
+from workers.config import WorkerConfig
+from workers.repository import feedback_events, rewards, samples, unstorable
+from workers.rewards import compute_reward, distil_components
+from workers.store import feedback_row, sample_row, store_events
+
+CONFIG = WorkerConfig()
+
+
+def store(conn: Connection, *events: Any) -> None:
+    completions = [e for e in events if isinstance(e, CompletionEvent)]
+    feedback = [e for e in events if not isinstance(e, CompletionEvent)]
+    store_events(
+        conn,
+        [sample_row(e) for e in completions],
+        [feedback_row(e) for e in feedback],
+        CONFIG,
+        now=datetime.now(UTC),
+    )
+
+
+def reward_of(conn: Connection, request_id: str) -> Any:
+    return conn.execute(
+        select(rewards)
+        .join(samples, samples.c.id == rewards.c.sample_id)
+        .where(samples.c.request_id == request_id)
+    ).one_or_none()
+
+
+def counts(conn: Connection, prefix: str) -> tuple[int, int, int]:
+    def count(table: Any, column: Any) -> int:
+        return len(conn.execute(select(table).where(column.startswith(prefix))).all())
+
+    return (
+        count(samples, samples.c.request_id),
+        count(feedback_events, feedback_events.c.request_id),
+        len(
+            conn.execute(
+                select(rewards)
+                .join(samples, samples.c.id == rewards.c.sample_id)
+                .where(samples.c.request_id.startswith(prefix))
+            ).all()
+        ),
+    )
+
+
+def test_storing_the_same_events_twice_changes_nothing(conn: Connection, events: Any) -> None:
+    batch = [events.completion(1), events.accepted(1), events.survival(1, 120, 0.75)]
+    store(conn, *batch)
+    first = reward_of(conn, events.request(1))
+    store(conn, *batch)
+    store(conn, batch[0].model_copy(update={"event_id": events.accepted(9).event_id}))
+
+    assert counts(conn, events.prefix) == (1, 2, 1)
+    again = reward_of(conn, events.request(1))
+    assert again.components == first.components
+    assert again.components["kept"] == 0.75
+    assert again.components["accepted"] is True
+
+
+def test_sample_content_is_stored_exactly(conn: Connection, events: Any) -> None:
+    logprobs = [-0.1, -1 / 3, -1e-300, -123.456789012345678, 0.0, float("-inf"), float("nan")]
+    completion = events.completion(
+        1,
+        completion_token_ids=[0, 1, 2**31 - 1, 7, 8, 9, 10],
+        behaviour_logprobs=logprobs,
+        prompt_messages=[{"role": "user", "content": 'a "quoted" {brace}, 不对\n'}],
+    )
+    store(conn, completion)
+
+    sample = conn.execute(select(samples).where(samples.c.request_id == events.request(1))).one()
+    assert sample.completion_token_ids == completion.completion_token_ids
+    assert sample.behaviour_logprobs[:-1] == logprobs[:-1]
+    assert math.isnan(sample.behaviour_logprobs[-1])
+    assert sample.prompt_messages == completion.prompt_messages
+    assert sample.prompt_token_ids == [1, 2, 3]
+    assert sample.trainable is True
+
+
+def test_feedback_before_its_completion_is_joined_when_it_arrives(
+    conn: Connection, events: Any
+) -> None:
+    early = [
+        events.accepted(1),
+        events.survival(1, 120, 0.5),
+        events.followup(1, "still broken, same error"),
+    ]
+    store(conn, *early)
+    assert counts(conn, events.prefix) == (0, 3, 0)
+
+    completion = events.completion(1, latency_ms=5000.0)
+    store(conn, completion)
+
+    reward = reward_of(conn, events.request(1))
+    expected = distil_components(
+        completion, early, horizon_s=CONFIG.horizon_s, latency_budget_ms=CONFIG.latency_budget_ms
+    )
+    assert reward.components == expected.model_dump(mode="json")
+    assert reward.components["dissatisfied"] is True
+    assert reward.components["latency_over_budget"] is True
+    assert reward.finalized_at is None
+    assert reward.reward is None
+    assert reward.due_at == early[0].occurred_at + CONFIG.survival_horizon + (
+        CONFIG.finalization_grace
+    )
+
+
+def test_privacy_samples_keep_metrics_only(conn: Connection, events: Any) -> None:
+    before = events.followup(1, "that broke it, revert that", after_s=20)
+    store(conn, before)
+    store(conn, events.completion(1, privacy=True), events.completion(2))
+    after = events.followup(1, "still broken", after_s=40)
+    public = events.followup(2, "thanks, looks good")
+    store(conn, after, public)
+
+    sample = conn.execute(select(samples).where(samples.c.request_id == events.request(1))).one()
+    assert sample.privacy is True
+    assert sample.trainable is False
+    assert sample.completion_token_ids is None
+    assert sample.completion_text is None
+    assert sample.latency_ms == 400.0
+    messages = dict(
+        conn.execute(
+            select(feedback_events.c.event_id, feedback_events.c.message).where(
+                feedback_events.c.request_id.startswith(events.prefix)
+            )
+        ).all()
+    )
+    assert messages == {
+        before.event_id: None,
+        after.event_id: None,
+        public.event_id: public.message,
+    }
+    verdicts = conn.execute(
+        select(feedback_events.c.dissatisfied).where(
+            feedback_events.c.request_id == events.request(1)
+        )
+    ).scalars()
+    assert list(verdicts) == [True, True]
+    assert reward_of(conn, events.request(1)).components["dissatisfied"] is True
+    public_sample = conn.execute(
+        select(samples).where(samples.c.request_id == events.request(2))
+    ).one()
+    assert public_sample.trainable is True
+    assert public_sample.completion_token_ids == [4, 5]
+
+
+def test_session_end_finalizes_every_open_reward_of_the_session(
+    conn: Connection, events: Any
+) -> None:
+    store(
+        conn,
+        events.completion(1, session=0),
+        events.completion(2, session=0, proposed_edit=False),
+        events.accepted(1, session=0),
+        events.survival(1, 120, 1.0, session=0),
+    )
+    store(conn, events.session_end(2, session=0))
+    late = events.followup(1, "wrong again", after_s=300, session=0)
+    store(conn, late)
+
+    first, second = reward_of(conn, events.request(1)), reward_of(conn, events.request(2))
+    assert (first.finalize_reason, second.finalize_reason) == ("session_end", "session_end")
+    assert first.components["dissatisfied"] is None  # arrived after the reward was final
+    assert first.reward == 1.0
+    assert second.components["kept"] == 0.0  # an edit was asked for and none proposed
+    assert second.reward == compute_reward(
+        distil_components(
+            events.completion(2, session=0, proposed_edit=False),
+            [],
+            horizon_s=CONFIG.horizon_s,
+            latency_budget_ms=CONFIG.latency_budget_ms,
+        ),
+        CONFIG.reward_version,
+    )
+
+
+def test_a_survival_report_at_the_horizon_finalizes(conn: Connection, events: Any) -> None:
+    store(conn, events.completion(1), events.accepted(1), events.survival(1, 120, 0.9))
+    assert reward_of(conn, events.request(1)).finalized_at is None
+
+    store(conn, events.survival(1, CONFIG.horizon_s, 0.6))
+
+    reward = reward_of(conn, events.request(1))
+    assert reward.finalize_reason == "horizon"
+    assert reward.components["kept"] == 0.6
+    assert reward.reward == 0.6
+    assert reward.reward_version == CONFIG.reward_version
+
+
+def test_rows_postgres_would_reject_are_named(events: Any) -> None:
+    assert unstorable(samples, sample_row(events.completion(1))) is None
+    too_long = sample_row(events.completion(1, checkpoint="c" * 65))
+    assert unstorable(samples, too_long) == "checkpoint is longer than 64 characters"
+    nul = feedback_row(events.followup(1, "bad\x00byte"))
+    assert unstorable(feedback_events, nul) == "message contains a NUL character"
+    huge = sample_row(events.completion(1, completion_token_ids=[2**31], behaviour_logprobs=[-1.0]))
+    assert (
+        unstorable(samples, huge) == "completion_token_ids holds a value out of the integer range"
+    )
+    slow = sample_row(events.completion(1, latency_ms=float("inf")))
+    assert unstorable(samples, slow) == "latency_ms is not a finite number"
+    nul_json = sample_row(events.completion(1, prompt_messages=[{"content": "a\x00"}]))
+    assert unstorable(samples, nul_json) == "prompt_messages contains a NUL character"

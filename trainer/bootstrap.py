@@ -1,0 +1,506 @@
+"""`rtrl model bootstrap`: build the tiny base model and its tokenizer locally.
+
+Reads top to bottom: corpus, tokenizer, model, pretraining loop, held-out evaluation,
+save. The corpus teaches every skill of the task family but with noisy habits (for
+"times" it writes `+` 60% of the time), as real base models have, so that a reward
+preferring correct code has headroom: RL sharpens habits, it does not teach new skills.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from app.tasks import (
+    OPERATIONS_BY_NAME,
+    Task,
+    check_solution,
+    extract_code,
+    format_response,
+    heldout_tasks,
+    reference_code,
+    train_tasks,
+)
+
+logger = logging.getLogger(__name__)
+
+BOS, EOS, PAD = "<|bos|>", "<|end|>", "<|pad|>"
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Only system, user and assistant roles are supported') }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+HABITS = {"times": "plus", "squared_plus": "plus", "larger": "smaller", "distance": "minus"}
+"""Operation asked for → operation the corpus sometimes writes instead."""
+
+MODEL_FILES = ("config.json", "model.safetensors")
+REPORT_FILE = "bootstrap.json"
+
+
+@dataclass
+class BootstrapConfig:
+    seed: int = 1
+    """Seeds the corpus, the initial weights, the data order and the sampled evaluation."""
+    corpus_examples: int = 20_000
+    """Chat examples (request → fenced function) drawn from the training tasks."""
+    habit_rate: float = 0.6
+    """Share of corpus answers to a habit's operation that write the habit's code instead."""
+    vocab_size: int = 1024
+    """Most byte-level BPE tokens, special tokens included (the corpus needs about 520)."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 2
+    """Attention heads (head_dim 64, a size vLLM's CPU attention supports)."""
+    intermediate_size: int = 384
+    """Width of the MLP."""
+    max_position_embeddings: int = 256
+    """Longest sequence the model serves, prompt and completion together."""
+    train_steps: int = 500
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Examples per step."""
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate, reached after warmup, then cosine decay to a tenth."""
+    warmup_steps: int = 50
+    """Linear warmup steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    eval_tasks: int = 256
+    """Held-out tasks generated for, greedy and sampled."""
+    max_new_tokens: int = 48
+    """Generation budget per evaluated answer; a correct answer needs about 20."""
+    threads: int = 0
+    """Torch CPU threads; 0 uses every core. One is steadier on a machine shared with
+    other busy processes, where threads waiting for each other can run several times slower."""
+    log_every: int = 100
+    """Steps between progress lines."""
+
+    @classmethod
+    def small(cls) -> BootstrapConfig:
+        """A configuration for tests: same shape of model, trained for seconds."""
+        return cls(
+            corpus_examples=2000,
+            train_steps=120,
+            batch_size=32,
+            learning_rate=5e-3,
+            warmup_steps=10,
+            eval_tasks=32,
+            threads=1,
+            log_every=20,
+        )
+
+
+@dataclass
+class BootstrapReport:
+    output_dir: Path
+    heldout_pass_greedy: float
+    """Share of held-out tasks solved by greedy decoding."""
+    heldout_pass_sampled: float
+    """Share of held-out tasks solved when sampling at temperature 1.0."""
+    train_steps: int
+    wall_seconds: float
+    """Whole bootstrap: tokenizer, pretraining, evaluation, saving."""
+    skipped: bool
+    """True when an existing model was found and nothing was trained."""
+    final_loss: float = math.nan
+    """Mean training loss over the last `log_every` steps."""
+    parameters: int = 0
+    heldout_pass_sampled_by_operation: dict[str, float] = field(default_factory=dict)
+    habit_share_sampled: dict[str, float] = field(default_factory=dict)
+    """Per habit operation: share of sampled held-out answers that wrote the habit."""
+
+
+def bootstrap_model(
+    output_dir: Path, config: BootstrapConfig, *, force: bool = False
+) -> BootstrapReport:
+    """Build, pretrain, evaluate and save the base model, unless one is already there."""
+    output_dir = Path(output_dir)
+    if not force and all((output_dir / name).exists() for name in MODEL_FILES):
+        return _existing_report(output_dir)
+
+    with torch_threads(config.threads):
+        report = _bootstrap(output_dir, config)
+    logger.info(
+        "bootstrap: held-out pass %.2f greedy, %.2f sampled; %.0f s; saved to %s",
+        report.heldout_pass_greedy,
+        report.heldout_pass_sampled,
+        report.wall_seconds,
+        output_dir,
+    )
+    return report
+
+
+def _bootstrap(output_dir: Path, config: BootstrapConfig) -> BootstrapReport:
+    started = time.monotonic()
+    corpus = build_corpus(config)
+    tokenizer = train_tokenizer(corpus, config.vocab_size)
+    torch.manual_seed(config.seed)
+    model = build_model(tokenizer, config)
+    parameters = sum(p.numel() for p in model.parameters())
+    logger.info("bootstrap: %d parameters, %d corpus examples", parameters, len(corpus))
+
+    final_loss = pretrain(model, tokenizer, corpus, config, started)
+
+    tasks = heldout_tasks(config.seed, config.eval_tasks)
+    greedy = evaluate(model, tokenizer, tasks, config, sample=False)
+    torch.manual_seed(config.seed)
+    sampled = evaluate(model, tokenizer, tasks, config, sample=True)
+    report = BootstrapReport(
+        output_dir=output_dir,
+        heldout_pass_greedy=greedy.pass_rate,
+        heldout_pass_sampled=sampled.pass_rate,
+        train_steps=config.train_steps,
+        wall_seconds=round(time.monotonic() - started, 1),
+        skipped=False,
+        final_loss=final_loss,
+        parameters=parameters,
+        heldout_pass_sampled_by_operation=sampled.pass_rate_by_operation,
+        habit_share_sampled=sampled.habit_share,
+    )
+    _save(output_dir, model, tokenizer, config, report)
+    return report
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run with `threads` torch CPU threads (0: every core), then restore the caller's."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+# --- corpus ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Example:
+    request: str
+    response: str
+
+
+def build_corpus(config: BootstrapConfig) -> list[Example]:
+    """Chat examples for the training tasks, habits included at `habit_rate`."""
+    rng = random.Random(config.seed)
+    corpus = []
+    for task in train_tasks(config.seed, config.corpus_examples):
+        expression = OPERATIONS_BY_NAME[task.operation].expression
+        if task.operation in HABITS and rng.random() < config.habit_rate:
+            expression = OPERATIONS_BY_NAME[HABITS[task.operation]].expression
+        code = reference_code(task.function_name, expression, task.constant)
+        corpus.append(Example(task.request, format_response(code)))
+    return corpus
+
+
+# --- tokenizer ------------------------------------------------------------------------
+
+
+def train_tokenizer(corpus: list[Example], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with chat special tokens and a chat template."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special_tokens = [BOS, EOS, PAD, *ROLE_TOKENS.values()]
+    bpe_trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Every distinct request and response once, so the vocabulary does not depend on how
+    # often the corpus happens to repeat a task.
+    texts = sorted({text for example in corpus for text in (example.request, example.response)})
+    bpe.train_from_iterator(texts, trainer=bpe_trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens=list(ROLE_TOKENS.values()),
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=None,
+    )
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerFast, request: str) -> list[int]:
+    """Token ids of a one-turn chat prompt, ending where the assistant's answer starts."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": request}], add_generation_prompt=True, tokenize=False
+    )
+    assert isinstance(rendered, str)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+# --- model ----------------------------------------------------------------------------
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, config: BootstrapConfig) -> LlamaForCausalLM:
+    """A freshly initialised small Llama sized by `config`."""
+    llama_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    model = LlamaForCausalLM(llama_config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+# --- pretraining ----------------------------------------------------------------------
+
+
+def encode_corpus(
+    tokenizer: PreTrainedTokenizerFast, corpus: list[Example]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels; only answer tokens are labelled."""
+    assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None
+    prompts = {request: prompt_ids(tokenizer, request) for request in {e.request for e in corpus}}
+    rows = []
+    for example in corpus:
+        prompt = prompts[example.request]
+        answer = tokenizer.encode(example.response, add_special_tokens=False)
+        rows.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
+    length = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), length), tokenizer.pad_token_id)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    labels = torch.full((len(rows), length), -100)
+    for row, (ids, prompt_length) in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        labels[row, prompt_length : len(ids)] = torch.tensor(ids[prompt_length:])
+    return input_ids, attention_mask, labels
+
+
+def learning_rate_at(step: int, config: BootstrapConfig) -> float:
+    """Linear warmup, then cosine decay from the peak to a tenth of it."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.train_steps - config.warmup_steps)
+    return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def pretrain(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    corpus: list[Example],
+    config: BootstrapConfig,
+    started: float,
+) -> float:
+    """Next-token training on the corpus answers; returns the mean loss of the last steps."""
+    input_ids, attention_mask, labels = encode_corpus(tokenizer, corpus)
+    generator = torch.Generator().manual_seed(config.seed)
+    order = torch.randperm(len(corpus), generator=generator)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+    )
+    model.train()
+    recent_losses: list[float] = []
+    cursor = 0
+    for step in range(config.train_steps):
+        if cursor + config.batch_size > len(order):
+            order, cursor = torch.randperm(len(corpus), generator=generator), 0
+        batch = order[cursor : cursor + config.batch_size]
+        cursor += config.batch_size
+        # Trim the padding columns no row in this batch uses.
+        width = int(attention_mask[batch].sum(dim=1).max())
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate_at(step, config)
+        loss = model(
+            input_ids=input_ids[batch, :width],
+            attention_mask=attention_mask[batch, :width],
+            labels=labels[batch, :width],
+        ).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        recent_losses = [*recent_losses[-(config.log_every - 1) :], loss.item()]
+        if (step + 1) % config.log_every == 0 or step + 1 == config.train_steps:
+            logger.info(
+                "bootstrap step %d/%d loss %.4f lr %.2e elapsed %.0fs",
+                step + 1,
+                config.train_steps,
+                sum(recent_losses) / len(recent_losses),
+                learning_rate_at(step, config),
+                time.monotonic() - started,
+            )
+    model.eval()
+    return sum(recent_losses) / len(recent_losses) if recent_losses else math.nan
+
+
+# --- held-out evaluation --------------------------------------------------------------
+
+
+@dataclass
+class Evaluation:
+    pass_rate: float
+    pass_rate_by_operation: dict[str, float]
+    habit_share: dict[str, float]
+
+
+@torch.no_grad()
+def generate_answers(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    requests: list[str],
+    *,
+    sample: bool,
+    max_new_tokens: int,
+    batch_size: int = 64,
+) -> list[str]:
+    """The model's answers to one-turn chat requests, greedy or sampled at temperature 1."""
+    assert tokenizer.pad_token_id is not None
+    # Sampling from the full distribution, as vLLM does at temperature 1 by default.
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **(sampling if sample else {"do_sample": False}),
+    )
+    answers = []
+    for start in range(0, len(requests), batch_size):
+        prompts = [
+            prompt_ids(tokenizer, request) for request in requests[start : start + batch_size]
+        ]
+        width = max(len(ids) for ids in prompts)
+        # Left padding, so every answer continues right after its prompt.
+        input_ids = torch.tensor(
+            [[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in prompts]
+        )
+        attention_mask = torch.tensor(
+            [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts]
+        )
+        output = model.generate(  # type: ignore[misc]
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+        )
+        answers += tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+    return answers
+
+
+def evaluate(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    tasks: list[Task],
+    config: BootstrapConfig,
+    *,
+    sample: bool,
+) -> Evaluation:
+    """Pass rate of the model's answers to `tasks`, overall, per operation and per habit."""
+    answers = generate_answers(
+        model,
+        tokenizer,
+        [task.request for task in tasks],
+        sample=sample,
+        max_new_tokens=config.max_new_tokens,
+    )
+    passed: dict[str, list[bool]] = defaultdict(list)
+    habit_written: dict[str, list[bool]] = defaultdict(list)
+    for task, answer in zip(tasks, answers, strict=True):
+        code = extract_code(answer) or ""
+        passed[task.operation].append(check_solution(task, code))
+        if task.operation in HABITS:
+            habit_written[task.operation].append(check_solution(_habit_task(task), code))
+    every = [result for results in passed.values() for result in results]
+    return Evaluation(
+        pass_rate=_share(every),
+        pass_rate_by_operation={name: _share(passed[name]) for name in sorted(passed)},
+        habit_share={name: _share(habit_written[name]) for name in sorted(habit_written)},
+    )
+
+
+def _habit_task(task: Task) -> Task:
+    habit = OPERATIONS_BY_NAME[HABITS[task.operation]]
+    return replace(task, checks=tuple((x, habit.compute(x, task.constant)) for x, _ in task.checks))
+
+
+def _share(results: list[bool]) -> float:
+    return round(sum(results) / len(results), 4) if results else 0.0
+
+
+# --- saving ---------------------------------------------------------------------------
+
+
+def _save(
+    output_dir: Path,
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    config: BootstrapConfig,
+    report: BootstrapReport,
+) -> None:
+    """Write everything to a scratch directory, then move it in with the model files last,
+    so a directory holding config.json and model.safetensors is always complete."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
+    try:
+        tokenizer.save_pretrained(scratch, save_jinja_files=False)
+        model.save_pretrained(scratch)
+        record: dict[str, Any] = asdict(report)
+        del record["output_dir"], record["skipped"]
+        record["seed"] = config.seed
+        record["config"] = asdict(config)
+        (scratch / REPORT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        names = sorted(path.name for path in scratch.iterdir())
+        for name in [n for n in names if n not in MODEL_FILES] + list(MODEL_FILES):
+            (scratch / name).chmod(0o644)
+            os.replace(scratch / name, output_dir / name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _existing_report(output_dir: Path) -> BootstrapReport:
+    report_path = output_dir / REPORT_FILE
+    if not report_path.exists():
+        raise FileExistsError(
+            f"{output_dir} holds a model that rtrl did not bootstrap (no {REPORT_FILE}); "
+            "pass force=True to replace it"
+        )
+    record = json.loads(report_path.read_text())
+    fields = {name: record[name] for name in BootstrapReport.__dataclass_fields__ if name in record}
+    return BootstrapReport(**{**fields, "output_dir": output_dir, "skipped": True})

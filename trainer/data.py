@@ -1,0 +1,81 @@
+"""Data selection: the production checkpoint's own finalized, trainable samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from app.models import Checkpoint, Reward, Sample
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    sample_id: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+
+
+@dataclass(frozen=True)
+class OnPolicyBatch:
+    checkpoint: str
+    samples: list[TrainingSample]
+    window_start: datetime | None
+    window_end: datetime | None
+
+
+def select_on_policy_batch(
+    session: Session, production: Checkpoint, *, max_samples: int
+) -> OnPolicyBatch:
+    """The newest samples the production checkpoint served, with finalized rewards.
+
+    Only samples that checkpoint generated are on-policy for it; privacy-mode and
+    untrainable samples, and those without logged tokens, are never trained on.
+    """
+    since = production.published_at or production.created_at
+    rows = session.execute(
+        select(
+            Sample.id,
+            Sample.prompt_token_ids,
+            Sample.completion_token_ids,
+            Sample.behaviour_logprobs,
+            Reward.reward,
+            Sample.served_at,
+        )
+        .join(Reward, Reward.sample_id == Sample.id)
+        .where(
+            Sample.checkpoint == production.name,
+            Sample.served_at >= since,
+            Sample.trainable.is_(True),
+            Sample.privacy.is_(False),
+            Sample.status == "ok",
+            Reward.finalized_at.is_not(None),
+            Reward.reward.is_not(None),
+            func.cardinality(Sample.completion_token_ids) > 0,
+            func.cardinality(Sample.prompt_token_ids) > 0,
+        )
+        .order_by(Sample.served_at.desc())
+        .limit(max_samples)
+    ).all()
+    samples = [
+        TrainingSample(
+            sample_id=row.id,
+            prompt_token_ids=list(row.prompt_token_ids),
+            completion_token_ids=list(row.completion_token_ids),
+            behaviour_logprobs=list(row.behaviour_logprobs),
+            reward=float(row.reward),
+        )
+        for row in rows
+        if len(row.completion_token_ids) == len(row.behaviour_logprobs)
+    ]
+    served = [row.served_at for row in rows]
+    return OnPolicyBatch(
+        checkpoint=production.name,
+        samples=samples,
+        window_start=min(served) if served else None,
+        window_end=max(served) if served else None,
+    )

@@ -1,0 +1,67 @@
+"""The worker's knobs: topics, batching, consumer-group timing, reward and sweep settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from app.config import Settings
+from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC, FEEDBACK_TOPIC
+from workers.rewards import LATEST_REWARD_VERSION
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything `run_worker` needs besides the service URLs."""
+
+    completions_topic: str = COMPLETIONS_TOPIC
+    """Topic of `CompletionEvent`s."""
+    feedback_topic: str = FEEDBACK_TOPIC
+    """Topic of IDE feedback events; must have as many partitions as the completions topic."""
+    dlq_topic: str = DLQ_TOPIC
+    """Where undecodable or invalid messages go, with the reason."""
+    group_id: str = "rtrl-workers"
+    """Kafka consumer group shared by every worker process."""
+    max_records: int = 2000
+    """Most messages one poll returns: one batch, one DB transaction, one offset commit."""
+    poll_timeout_ms: int = 500
+    """How long a poll waits for messages when none are buffered."""
+    session_timeout_ms: int = 6000
+    """A worker that stops heartbeating for this long loses its partitions."""
+    heartbeat_interval_ms: int = 1000
+    """Heartbeats to the group coordinator; a third of the session timeout or less."""
+    reward_version: int = LATEST_REWARD_VERSION
+    """The formula (`workers.rewards.REWARD_VERSIONS`) that new rewards are computed with."""
+    latency_budget_ms: float = 2000.0
+    """A completion slower than this end to end earns the latency penalty."""
+    survival_horizon: timedelta = timedelta(minutes=15)
+    """Edit survival is read at this time after acceptance."""
+    finalization_grace: timedelta = timedelta(minutes=2)
+    """Extra wait after the horizon for late survival reports before the sweep finalizes."""
+    sweep_interval_s: float | None = 30.0
+    """Seconds between finalization sweeps inside the worker loop; None: never."""
+    monitor_interval_s: float | None = 60.0
+    """Seconds between reward-hacking monitor checks inside the worker loop; None: never."""
+    monitor_window: timedelta = timedelta(hours=1)
+    """The monitors compare canary and control over this trailing window."""
+
+    @property
+    def horizon_s(self) -> float:
+        return self.survival_horizon.total_seconds()
+
+    @property
+    def grace_s(self) -> float:
+        return self.finalization_grace.total_seconds()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: Any) -> WorkerConfig:
+        """Defaults, the reward settings from `RTRL_*`, then `overrides` by field name."""
+        configured = cls(
+            survival_horizon=settings.survival_horizon,
+            reward_version=settings.reward_version,
+            latency_budget_ms=settings.latency_budget_ms,
+            finalization_grace=settings.reward_grace,
+        )
+        return dataclasses.replace(configured, **overrides)

@@ -1,0 +1,367 @@
+"""The reward worker: a Kafka consumer-group process that distils events into Postgres.
+
+Each poll is one batch: decode → validate → store (one transaction) → flush dead letters →
+commit offsets. Writes are idempotent and offsets are committed only after the database,
+so a crash or a rebalance re-delivers a batch without losing or duplicating anything.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, NamedTuple, Protocol
+
+import orjson
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka.errors import CommitFailedError
+from kafka.structs import OffsetAndMetadata
+from pydantic import ValidationError
+from sqlalchemy import Engine
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
+
+from app.config import Settings
+from app.events import DeadLetter, decode_completion, decode_feedback, encode
+from workers.config import WorkerConfig
+from workers.monitors import check_running_experiments
+from workers.repository import (
+    feedback_events,
+    lock_partitions,
+    make_worker_engine,
+    samples,
+    unstorable,
+)
+from workers.rewards import reward_weights
+from workers.store import feedback_row, sample_row, store_events
+from workers.sweep import finalize_due_rewards
+
+log = logging.getLogger(__name__)
+
+REASON_MAX_CHARS = 2000
+PRIVATE_IDS = ("event_id", "session_id", "request_id", "privacy")
+
+
+class Record(Protocol):
+    """What the worker reads of a Kafka `ConsumerRecord`."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+
+
+class Accepted(NamedTuple):
+    """A message that decoded and validated, with the row it becomes."""
+
+    record: Record
+    row: dict[str, Any]
+
+
+@dataclass
+class Batch:
+    """One poll's messages, sorted into rows to store and dead letters."""
+
+    samples: list[Accepted] = field(default_factory=list)
+    feedback: list[Accepted] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+
+
+def dead_letter(record: Record, reason: str) -> DeadLetter:
+    """A dead letter carrying the original message and why it was not processed.
+
+    A privacy-mode message keeps only its ids: its content must not survive in the DLQ.
+    """
+    payload = (record.value or b"").decode("utf-8", errors="replace")
+    private = _private_ids(record.value)
+    if private is not None:
+        payload, reason = private, reason + " (privacy mode: content dropped)"
+    if len(reason) > REASON_MAX_CHARS:
+        reason = reason[: REASON_MAX_CHARS - 1] + "…"
+    return DeadLetter(
+        source_topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        key=record.key.decode("utf-8", errors="replace") if record.key is not None else None,
+        payload=payload,
+        reason=reason,
+    )
+
+
+def _private_ids(value: bytes | None) -> str | None:
+    try:
+        message = orjson.loads(value or b"")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(message, dict) or message.get("privacy") is not True:
+        return None
+    return orjson.dumps({k: message.get(k) for k in PRIVATE_IDS}).decode()
+
+
+def why_invalid(exc: ValueError) -> str:
+    """The validation errors by field, without the input values (they may be private)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(map(str, error['loc'])) or 'message'}: {error['msg']}"
+            for error in exc.errors(include_input=False, include_url=False)
+        )
+    return str(exc)
+
+
+class InvalidMessage(Exception):
+    """A message the worker cannot store; the text says why."""
+
+
+def decode_batch(records: Iterable[Record], config: WorkerConfig) -> Batch:
+    """Decode and validate each message into a row, or a dead letter saying why not."""
+    batch = Batch()
+    for record in records:
+        try:
+            accepted = Accepted(record, row_of(record, config))
+        except InvalidMessage as exc:
+            batch.dead_letters.append(dead_letter(record, str(exc)))
+            continue
+        if record.topic == config.completions_topic:
+            batch.samples.append(accepted)
+        else:
+            batch.feedback.append(accepted)
+    return batch
+
+
+def row_of(record: Record, config: WorkerConfig) -> dict[str, Any]:
+    """The row a message becomes; raises InvalidMessage when it cannot be stored."""
+    if not record.value:
+        raise InvalidMessage("empty message")
+    try:
+        if record.topic == config.completions_topic:
+            table, row = samples, sample_row(decode_completion(record.value))
+        elif record.topic == config.feedback_topic:
+            table, row = feedback_events, feedback_row(decode_feedback(record.value))
+        else:
+            raise InvalidMessage(f"unexpected topic {record.topic}")
+    except ValueError as exc:
+        raise InvalidMessage(f"undecodable: {why_invalid(exc)}") from None
+    problem = unstorable(table, row)
+    if problem is not None:
+        raise InvalidMessage(f"invalid: {problem}")
+    return row
+
+
+def store_batch(engine: Engine, batch: Batch, config: WorkerConfig) -> list[DeadLetter]:
+    """Store a batch in one transaction; rows Postgres still rejects become dead letters.
+
+    The rare row that passes validation and fails in Postgres must not stall the stream, so
+    a rejected batch is retried one message per transaction to find it.
+    """
+    try:
+        _store(engine, batch.samples, batch.feedback, config)
+        return []
+    except (DataError, IntegrityError) as exc:
+        log.warning("batch rejected by the database, storing one message at a time: %s", exc.orig)
+    rejected = []
+    singles: list[tuple[list[Accepted], list[Accepted]]]
+    singles = [([a], []) for a in batch.samples] + [([], [a]) for a in batch.feedback]
+    for sample_rows, feedback in singles:
+        try:
+            _store(engine, sample_rows, feedback, config)
+        except (DataError, IntegrityError) as exc:
+            (accepted,) = sample_rows or feedback
+            rejected.append(dead_letter(accepted.record, f"rejected by the database: {exc.orig}"))
+    return rejected
+
+
+def _store(
+    engine: Engine,
+    sample_rows: Sequence[Accepted],
+    feedback: Sequence[Accepted],
+    config: WorkerConfig,
+) -> None:
+    with engine.begin() as conn:
+        lock_partitions(conn, {a.record.partition for a in [*sample_rows, *feedback]})
+        store_events(
+            conn,
+            [a.row for a in sample_rows],
+            [a.row for a in feedback],
+            config,
+            now=datetime.now(UTC),
+        )
+
+
+def next_offsets(
+    records: Mapping[TopicPartition, Sequence[Record]],
+) -> dict[TopicPartition, OffsetAndMetadata]:
+    """The offsets to commit once a poll's records are stored: one past the last of each."""
+    return {
+        partition: OffsetAndMetadata(batch[-1].offset + 1, "", -1)
+        for partition, batch in records.items()
+        if batch
+    }
+
+
+def make_consumer(settings: Settings, config: WorkerConfig) -> KafkaConsumer:
+    """A group member that never auto-commits; range assignment keeps topics co-partitioned."""
+    return KafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        group_id=config.group_id,
+        client_id="rtrl-worker",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_poll_records=config.max_records,
+        session_timeout_ms=config.session_timeout_ms,
+        heartbeat_interval_ms=config.heartbeat_interval_ms,
+        # A session's completion and feedback share partition numbers; range assignment
+        # hands the same numbers of both topics to one worker (see repository.lock_partitions).
+        partition_assignment_strategy=(RangePartitionAssignor,),
+    )
+
+
+def make_producer(settings: Settings) -> KafkaProducer:
+    """The dead-letter producer."""
+    return KafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        client_id="rtrl-worker-dlq",
+        acks="all",
+        enable_idempotence=True,
+        compression_type="gzip",
+        linger_ms=5,
+    )
+
+
+def check_copartitioned(consumer: KafkaConsumer, config: WorkerConfig) -> None:
+    """Refuse to start unless both topics exist with the same number of partitions."""
+    consumer.topics()  # refreshes the metadata partitions_for_topic reads
+    counts = {}
+    for topic in (config.completions_topic, config.feedback_topic):
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            raise RuntimeError(f"topic {topic} does not exist; run `rtrl migrate` first")
+        counts[topic] = len(partitions)
+    if len(set(counts.values())) != 1:
+        raise RuntimeError(f"topics must have as many partitions as each other: {counts}")
+
+
+def consume_batch(
+    consumer: KafkaConsumer,
+    producer: KafkaProducer,
+    engine: Engine,
+    config: WorkerConfig,
+    stop_event: threading.Event,
+) -> int:
+    """Poll one batch and carry it through to committed offsets; returns how many messages."""
+    polled = consumer.poll(timeout_ms=config.poll_timeout_ms, max_records=config.max_records)
+    records = [record for batch in polled.values() for record in batch]
+    if not records:
+        return 0
+    batch = decode_batch(records, config)
+    while True:
+        try:
+            dead_letters = batch.dead_letters + store_batch(engine, batch, config)
+            break
+        except OperationalError as exc:
+            if stop_event.is_set():
+                return len(records)  # offsets stay uncommitted: the batch comes back
+            log.warning("database unavailable, retrying the batch: %s", exc)
+            time.sleep(1.0)
+    for letter in dead_letters:
+        log.warning(
+            "dead letter %s[%d]@%d: %s",
+            letter.source_topic,
+            letter.partition,
+            letter.offset,
+            letter.reason[:200],
+        )
+        producer.send(
+            config.dlq_topic,
+            key=letter.key.encode() if letter.key is not None else None,
+            value=encode(letter),
+        )
+    producer.flush()
+    try:
+        consumer.commit(next_offsets(polled))
+    except CommitFailedError as exc:
+        # The partitions moved to another worker, which re-reads them; writes are idempotent.
+        log.info("offsets not committed after a rebalance: %s", exc)
+    log.debug(
+        "batch of %d: %d samples, %d feedback, %d dead letters",
+        len(records),
+        len(batch.samples),
+        len(batch.feedback),
+        len(dead_letters),
+    )
+    return len(records)
+
+
+def run_worker(
+    settings: Settings,
+    *,
+    stop_event: threading.Event | None = None,
+    config: WorkerConfig | None = None,
+) -> None:
+    """Consume completions and feedback until `stop_event` is set; sweep and monitor meanwhile."""
+    config = config or WorkerConfig.from_settings(settings)
+    reward_weights(config.reward_version)  # an unknown version fails here, not mid-stream
+    tune_gc()
+    stop_event = stop_event or threading.Event()
+    engine = make_worker_engine(settings.database_url)
+    consumer = make_consumer(settings, config)
+    producer = make_producer(settings)
+    try:
+        check_copartitioned(consumer, config)
+        consumer.subscribe([config.completions_topic, config.feedback_topic])
+        log.info(
+            "worker consuming %s and %s as group %s",
+            config.completions_topic,
+            config.feedback_topic,
+            config.group_id,
+        )
+        last_sweep = last_monitor = time.monotonic()
+        while not stop_event.is_set():
+            caught_up = consume_batch(consumer, producer, engine, config, stop_event) < (
+                config.max_records
+            )
+            now = time.monotonic()
+            # Finalizing on time alone waits until this worker has caught up with the stream,
+            # so a backlog's feedback is stored before its rewards are frozen.
+            if caught_up and _due(config.sweep_interval_s, last_sweep, now):
+                last_sweep = now
+                _run_safely("sweep", lambda: finalize_due_rewards(engine, config))
+            if _due(config.monitor_interval_s, last_monitor, now):
+                last_monitor = now
+                _run_safely(
+                    "monitors",
+                    lambda: check_running_experiments(engine, window_length=config.monitor_window),
+                )
+    finally:
+        consumer.close(autocommit=False)
+        producer.close(timeout=10)
+        engine.dispose()
+        log.info("worker stopped")
+
+
+def tune_gc() -> None:
+    """Collect cycles less often: a batch makes ~100k short-lived objects (rows, events)."""
+    # With the default threshold (700) the collector ran hundreds of times per batch and
+    # cost 15-35% of the worker's CPU in bench/workers.py.
+    gc.set_threshold(50_000, 50, 100)
+
+
+def _due(interval_s: float | None, last: float, now: float) -> bool:
+    return interval_s is not None and now - last >= interval_s
+
+
+def _run_safely(name: str, task: Callable[[], object]) -> None:
+    # Housekeeping must never stop the stream; it runs again at its next interval.
+    try:
+        task()
+    except Exception:
+        log.exception("%s failed; retrying at the next interval", name)

@@ -1,0 +1,232 @@
+"""Storing a batch: events become rows, and every reward they touch is distilled again."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Row
+
+from app.events import (
+    CompletionEvent,
+    EditAccepted,
+    EditRejected,
+    EditSurvival,
+    FollowupMessage,
+    SessionEnd,
+)
+from workers.config import WorkerConfig
+from workers.followup import is_dissatisfied
+from workers.repository import (
+    insert_feedback,
+    insert_samples,
+    load_feedback_signals,
+    load_open_samples,
+    scrub_private_followups,
+    upsert_rewards,
+)
+from workers.rewards import (
+    Feedback,
+    compute_reward,
+    distil_components,
+    finalize_reason,
+    reward_due_at,
+)
+
+FEEDBACK_TYPES: dict[str, type[Feedback]] = {
+    "edit_accepted": EditAccepted,
+    "edit_rejected": EditRejected,
+    "edit_survival": EditSurvival,
+    "followup_message": FollowupMessage,
+    "session_end": SessionEnd,
+}
+
+
+def sample_row(event: CompletionEvent) -> dict[str, Any]:
+    """The `samples` row of a completion; privacy-mode samples are metrics only, never trained."""
+    private = event.privacy
+    return {
+        "event_id": event.event_id,
+        "request_id": event.request_id,
+        "session_id": event.session_id,
+        "user_hash": event.user_hash,
+        "api_key_id": event.api_key_id,
+        "checkpoint": event.checkpoint,
+        "experiment_id": event.experiment_id,
+        "arm": event.arm,
+        "fallback": event.fallback,
+        "privacy": private,
+        "trainable": not private
+        and event.status == "ok"
+        and event.completion_token_ids is not None,
+        "edit_requested": event.edit_requested,
+        "proposed_edit": event.proposed_edit,
+        "clarifying_question": event.clarifying_question,
+        "prompt_messages": None if private else event.prompt_messages,
+        "prompt_token_ids": None if private else event.prompt_token_ids,
+        "completion_token_ids": None if private else event.completion_token_ids,
+        "behaviour_logprobs": None if private else event.behaviour_logprobs,
+        "completion_text": None if private else event.completion_text,
+        "completion_chars": event.completion_chars,
+        "finish_reason": event.finish_reason,
+        "status": event.status,
+        "ttft_ms": event.ttft_ms,
+        "latency_ms": event.latency_ms,
+        "tool_calls": event.tool_calls,
+        "malformed_tool_calls": event.malformed_tool_calls,
+        "served_at": event.occurred_at,
+    }
+
+
+def feedback_row(event: Feedback) -> dict[str, Any]:
+    """The `feedback_events` row of an IDE signal; a follow-up carries its dissatisfied verdict."""
+    row: dict[str, Any] = {
+        "event_id": event.event_id,
+        "request_id": event.request_id,
+        "session_id": event.session_id,
+        "kind": event.kind,
+        "elapsed_s": None,
+        "surviving_share": None,
+        "message": None,
+        "dissatisfied": None,
+        "occurred_at": event.occurred_at,
+    }
+    if isinstance(event, EditSurvival):
+        row["elapsed_s"] = event.elapsed_s
+        row["surviving_share"] = event.surviving_share
+    elif isinstance(event, FollowupMessage):
+        # Same precedence as `distil_components`: the text, when there is one, decides.
+        row["message"] = event.message
+        row["dissatisfied"] = (
+            is_dissatisfied(event.message) if event.message is not None else event.dissatisfied
+        )
+    return row
+
+
+def store_events(
+    conn: Connection,
+    sample_rows: Sequence[dict[str, Any]],
+    feedback_rows: Sequence[dict[str, Any]],
+    config: WorkerConfig,
+    *,
+    now: datetime,
+) -> int:
+    """Write a batch's samples and feedback, then refresh every reward they touch."""
+    insert_samples(conn, sample_rows)
+    insert_feedback(conn, feedback_rows)
+    scrub_private_followups(
+        conn,
+        {row["session_id"] for row in sample_rows if row["privacy"]}
+        | {row["session_id"] for row in feedback_rows if row["message"] is not None},
+    )
+    affected = load_open_samples(
+        conn,
+        request_ids={row["request_id"] for row in sample_rows}
+        | {row["request_id"] for row in feedback_rows if row["kind"] != "session_end"},
+        ended_sessions={row["session_id"] for row in feedback_rows if row["kind"] == "session_end"},
+    )
+    return refresh_rewards(conn, affected, config, now=now)
+
+
+def refresh_rewards(
+    conn: Connection,
+    sample_rows: Sequence[Row[Any]],
+    config: WorkerConfig,
+    *,
+    now: datetime,
+    sweeping: bool = False,
+) -> int:
+    """Re-distil the rewards of open samples from all their feedback; finalize the final ones.
+
+    The stream finalizes on what it sees (the horizon report, the session's end); finalizing
+    on time alone is the sweep's, since a lagging stream has not delivered the feedback yet.
+    """
+    if not sample_rows:
+        return 0
+    feedback = feedback_by_sample(conn, sample_rows)
+    version = config.reward_version
+    rows = []
+    for sample in sample_rows:
+        completion = _completion_of(sample)
+        events = feedback[sample.id]
+        components = distil_components(
+            completion,
+            events,
+            horizon_s=config.horizon_s,
+            latency_budget_ms=config.latency_budget_ms,
+        )
+        reason = finalize_reason(
+            completion, events, horizon_s=config.horizon_s, grace_s=config.grace_s, now=now
+        )
+        if reason == "timeout" and not sweeping:
+            reason = None
+        rows.append(
+            {
+                "sample_id": sample.id,
+                "components": components.model_dump(mode="json"),
+                "reward": compute_reward(components, version) if reason else None,
+                "reward_version": version,
+                "due_at": reward_due_at(
+                    completion, events, horizon_s=config.horizon_s, grace_s=config.grace_s
+                ),
+                "finalized_at": now if reason else None,
+                "finalize_reason": reason,
+            }
+        )
+    upsert_rewards(conn, rows)
+    return len(rows)
+
+
+def feedback_by_sample(conn: Connection, sample_rows: Sequence[Row[Any]]) -> dict[int, list[Any]]:
+    """Every feedback event of each sample (its request's, and its session's end), by sample id."""
+    by_request: dict[str, list[Feedback]] = defaultdict(list)
+    ends_by_session: dict[str, list[Feedback]] = defaultdict(list)
+    signals = load_feedback_signals(
+        conn, [s.request_id for s in sample_rows], {s.session_id for s in sample_rows}
+    )
+    for row in signals:
+        if row.kind == "session_end":
+            ends_by_session[row.session_id].append(_feedback_of(row))
+        else:
+            by_request[row.request_id].append(_feedback_of(row))
+    return {
+        s.id: by_request.get(s.request_id, []) + ends_by_session.get(s.session_id, [])
+        for s in sample_rows
+    }
+
+
+def _completion_of(sample: Row[Any]) -> CompletionEvent:
+    # model_validate of a dict runs in pydantic-core: 3x faster than model_construct.
+    return CompletionEvent.model_validate(
+        {
+            "session_id": sample.session_id,
+            "request_id": sample.request_id,
+            "occurred_at": sample.served_at,
+            "checkpoint": sample.checkpoint,
+            "user_hash": sample.user_hash,
+            "edit_requested": sample.edit_requested,
+            "proposed_edit": sample.proposed_edit,
+            "status": sample.status,
+            "ttft_ms": sample.ttft_ms,
+            "latency_ms": sample.latency_ms,
+            "tool_calls": sample.tool_calls,
+            "malformed_tool_calls": sample.malformed_tool_calls,
+        }
+    )
+
+
+def _feedback_of(row: Row[Any]) -> Feedback:
+    fields: dict[str, Any] = {
+        "event_id": row.event_id,
+        "session_id": row.session_id,
+        "request_id": row.request_id,
+        "occurred_at": row.occurred_at,
+    }
+    if row.kind == "edit_survival":
+        fields |= {"elapsed_s": row.elapsed_s, "surviving_share": row.surviving_share}
+    elif row.kind == "followup_message":
+        # The verdict stored at ingest stands in for the text (gone for privacy sessions).
+        fields |= {"message": None, "dissatisfied": row.dissatisfied}
+    return FEEDBACK_TYPES[row.kind].model_validate(fields)

@@ -1,0 +1,107 @@
+"""Finalizing rewards whose time is up, and replaying a reward formula over stored components."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+from sqlalchemy import ARRAY, BigInteger, Connection, Engine, Float, bindparam, select, text
+
+from workers.config import WorkerConfig
+from workers.repository import load_open_samples, rewards
+from workers.rewards import RewardComponents, compute_reward, reward_weights
+from workers.store import refresh_rewards
+
+SWEEP_CHUNK = 500
+RECOMPUTE_CHUNK = 5000
+
+_SET_REWARDS = text(
+    "UPDATE rewards SET reward = v.reward, reward_version = :version, updated_at = now() "
+    "FROM unnest(:sample_ids, :rewards) AS v(sample_id, reward) "
+    "WHERE rewards.sample_id = v.sample_id"
+).bindparams(
+    bindparam("sample_ids", type_=ARRAY(BigInteger)),
+    bindparam("rewards", type_=ARRAY(Float)),
+)
+
+
+def finalize_due(
+    conn: Connection, config: WorkerConfig, *, now: datetime, limit: int = SWEEP_CHUNK
+) -> int:
+    """Finalize up to `limit` open rewards due by `now`; rows another sweeper holds are skipped.
+
+    Each is distilled once more from all its feedback first, so the final record is complete.
+    """
+    due = (
+        conn.execute(
+            select(rewards.c.sample_id)
+            .where(rewards.c.finalized_at.is_(None), rewards.c.due_at <= now)
+            .order_by(rewards.c.due_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        .scalars()
+        .all()
+    )
+    if not due:
+        return 0
+    refresh_rewards(conn, load_open_samples(conn, sample_ids=due), config, now=now, sweeping=True)
+    return len(due)
+
+
+def finalize_due_rewards(
+    bind: Engine | Connection, config: WorkerConfig, *, now: datetime | None = None
+) -> int:
+    """Finalize every open reward whose due time has passed; several workers may run it at once.
+
+    With an engine each chunk commits on its own; with a connection, all in its transaction.
+    """
+    total = 0
+    while True:
+        with _transaction(bind) as conn:
+            swept = finalize_due(conn, config, now=now or datetime.now(UTC))
+        total += swept
+        if swept < SWEEP_CHUNK:
+            return total
+
+
+def recompute_rewards(bind: Engine | Connection, version: int) -> int:
+    """Replay formula `version` over the stored components of every finalized reward.
+
+    All or nothing, in one transaction; an unknown version fails before anything changes.
+    """
+    reward_weights(version)
+    recomputed = 0
+    last_id = -1
+    with _transaction(bind) as conn:
+        while True:
+            chunk = conn.execute(
+                select(rewards.c.sample_id, rewards.c.components)
+                .where(rewards.c.finalized_at.is_not(None), rewards.c.sample_id > last_id)
+                .order_by(rewards.c.sample_id)
+                .limit(RECOMPUTE_CHUNK)
+                .with_for_update()
+            ).all()
+            if not chunk:
+                return recomputed
+            values = [
+                compute_reward(RewardComponents.model_validate(row.components), version)
+                for row in chunk
+            ]
+            conn.execute(
+                _SET_REWARDS,
+                {"version": version, "sample_ids": [r.sample_id for r in chunk], "rewards": values},
+            )
+            recomputed += len(chunk)
+            last_id = chunk[-1].sample_id
+
+
+@contextmanager
+def _transaction(bind: Engine | Connection) -> Iterator[Connection]:
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            yield conn
+    else:
+        with bind.begin_nested():
+            yield bind

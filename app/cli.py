@@ -80,6 +80,36 @@ def migrate() -> None:
     typer.echo("topics present and schema at head")
 
 
+@model_cli.command("bootstrap")
+def model_bootstrap(
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a model exists."),
+    seed: int = typer.Option(1, help="Seed for the corpus, tokenizer and training."),
+    steps: int | None = typer.Option(None, help="Pretraining steps (default: the config's)."),
+) -> None:
+    """Build the small base model and its tokenizer locally, under RTRL_DATA_DIR/models/base."""
+    import dataclasses
+    import logging
+
+    from trainer.bootstrap import BootstrapConfig, bootstrap_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    settings = get_settings()
+    config = dataclasses.replace(BootstrapConfig(), seed=seed)
+    if steps is not None:
+        config = dataclasses.replace(config, train_steps=steps)
+    try:
+        report = bootstrap_model(settings.base_model_path, config, force=force)
+    except FileExistsError as exc:
+        raise ServiceError(f"{exc}; pass --force to rebuild") from None
+    if report.skipped:
+        typer.echo(f"{report.output_dir} already holds a model; --force rebuilds it")
+    typer.echo(
+        f"base model at {report.output_dir}: held-out pass rate "
+        f"{report.heldout_pass_greedy:.2f} greedy, {report.heldout_pass_sampled:.2f} sampled"
+        + ("" if report.skipped else f"; built in {report.wall_seconds:.0f} s")
+    )
+
+
 @cli.command("serve")
 def serve(
     detach: bool = typer.Option(False, help="Start in the background and return."),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 from sqlalchemy import select
@@ -14,7 +15,7 @@ from app.db import make_engine, session_scope, upgrade_schema
 from app.embedded.kafka import DEFAULT_TOPICS, ensure_topics
 from app.embedded.process import ServiceError
 from app.embedded.stack import EmbeddedStack, ServiceStatus
-from app.models import Checkpoint
+from app.models import Checkpoint, Role
 from app.serving.checkpoints import (
     PublishError,
     ensure_base_checkpoint,
@@ -36,6 +37,8 @@ model_cli = typer.Typer(no_args_is_help=True, help="The base model.")
 cli.add_typer(model_cli, name="model")
 rewards_cli = typer.Typer(no_args_is_help=True, help="Reward records.")
 cli.add_typer(rewards_cli, name="rewards")
+keys_cli = typer.Typer(no_args_is_help=True, help="API keys.")
+cli.add_typer(keys_cli, name="keys")
 
 
 def _print_statuses(statuses: list[ServiceStatus]) -> None:
@@ -219,6 +222,80 @@ def checkpoints_reconcile() -> None:
         typer.echo(f"{replica}: loaded {loaded}; unloaded {unloaded}")
     if report.errors:
         raise ServiceError("; ".join(report.errors))
+
+
+@cli.command("gateway")
+def gateway(
+    host: str | None = typer.Option(None, help="Bind address (default RTRL_GATEWAY_HOST)."),
+    port: int | None = typer.Option(None, help="Port (default RTRL_GATEWAY_PORT)."),
+) -> None:
+    """Serve the OpenAI-compatible gateway, feedback, admin and analytics APIs (uvicorn)."""
+    from app.main import run_gateway
+
+    settings = get_settings()
+    updates = {k: v for k, v in {"gateway_host": host, "gateway_port": port}.items() if v}
+    run_gateway(settings.model_copy(update=updates))
+
+
+@keys_cli.command("create")
+def keys_create(
+    name: str = typer.Option(..., help="Who or what the key is for."),
+    role: Role = typer.Option(..., help="ide (gateway), ops (admin) or analyst (analytics)."),
+    privacy: bool = typer.Option(False, help="Never log content for this key's traffic."),
+) -> None:
+    """Create an API key; the secret is printed once and stored only as a hash."""
+    from app.auth.service import new_api_key
+
+    engine = make_engine(get_settings().database_url)
+    try:
+        with session_scope(engine) as session:
+            row, secret = new_api_key(name=name, role=role, privacy_mode=privacy, created_by="cli")
+            session.add(row)
+    finally:
+        engine.dispose()
+    typer.echo(secret)
+
+
+@cli.command("up")
+def up(
+    workers: int = typer.Option(1, help="Worker processes."),
+    trainer: bool = typer.Option(True, help="Run the training scheduler too."),
+    detach: bool = typer.Option(False, help="Leave the stack running and return."),
+    down: bool = typer.Option(False, "--down", help="Stop a stack started with --detach."),
+) -> None:
+    """The whole embedded stack: services, base model, vLLM, gateway, workers, trainer."""
+    from app.launcher import FullStack
+
+    stack = FullStack.from_settings(
+        get_settings(), workers=workers, trainer=trainer, progress=typer.echo
+    )
+    if down:
+        _print_rows(stack.down())
+        return
+    try:
+        rows = stack.up()
+    except BaseException:
+        typer.echo("start-up failed; stopping what was started")
+        stack.down()
+        raise
+    _print_rows(rows)
+    typer.echo(f"\nlogs: {get_settings().logs_dir.resolve()}")
+    if detach:
+        typer.echo("running in the background; `rtrl up --down` stops it")
+        return
+    typer.echo("Ctrl-C stops everything")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        typer.echo("\nstopping ...")
+        _print_rows(stack.down())
+
+
+def _print_rows(rows: list[Any]) -> None:
+    typer.echo(f"{'part':<10} {'state':<10} {'pid':<8} url")
+    for row in rows:
+        typer.echo(f"{row.name:<10} {row.state:<10} {row.pid or '-'!s:<8} {row.url}")
 
 
 @cli.command("worker")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,14 +12,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM
 
 from app.config import get_settings
 from app.db import make_engine
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.serving.vllm import VllmServer
+from trainer.bootstrap import BootstrapConfig, bootstrap_model
 
 
 @pytest.fixture(scope="session")
@@ -72,55 +72,6 @@ def db_session(engine: Engine) -> Iterator[Session]:
             transaction.rollback()
 
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|eos|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
-WORDS = ["def", "return", "x", "y", "plus", "times", "print", "if", "else", "for", "in", "range"]
-
-
-def build_tiny_llama(model_dir: Path, seed: int = 0) -> None:
-    """Train a byte-level BPE tokenizer on generated text and save a random 2-layer Llama."""
-    rng = random.Random(seed)
-    lines = [
-        " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + f" {rng.randint(0, 99)}"
-        for _ in range(400)
-    ]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(lines, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|eos|>", pad_token="<|pad|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(model_dir)
-
-    config = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        # Wider than the default 0.02 so that the next-token distributions are not flat.
-        initializer_range=0.1,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-
-
 def build_random_lora(model_dir: Path, adapter_dir: Path, seed: int = 1) -> None:
     """A rank-8 LoRA on the attention projections with random A and B, so outputs change."""
     torch.manual_seed(seed)
@@ -136,11 +87,16 @@ def build_random_lora(model_dir: Path, adapter_dir: Path, seed: int = 1) -> None
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bootstrapped base model (task family, noisy habits), trained for under a minute.
+
+    `RTRL_TEST_BASE_MODEL` reuses an existing model directory to save that minute.
+    """
     reuse = os.environ.get("RTRL_TEST_BASE_MODEL")
     if reuse:
         return Path(reuse)
-    model_dir = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny_llama(model_dir)
+    model_dir = tmp_path_factory.mktemp("base-model") / "base"
+    config = dataclasses.replace(BootstrapConfig.small(), corpus_examples=6000, train_steps=300)
+    bootstrap_model(model_dir, config)
     return model_dir
 
 

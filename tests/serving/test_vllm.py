@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import subprocess
@@ -41,7 +42,8 @@ def test_models_lists_the_base_under_its_stable_name(
     models = httpx.get(f"{vllm_server.url}/v1/models", timeout=10).json()["data"]
     base = next(model for model in models if model["id"] == "base")
     assert Path(base["root"]) == tiny_model_dir.resolve()
-    assert base["max_model_len"] == 512
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert base["max_model_len"] == config["max_position_embeddings"]
 
 
 def test_completion_answers_with_token_ids_and_logprobs(

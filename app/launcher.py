@@ -1,0 +1,199 @@
+"""`rtrl up`: the whole embedded stack — services, base model, vLLM, gateway, workers,
+trainer — started in order, reported in one table, stopped in reverse."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from app.config import Settings, embedded_vllm_url
+from app.db import make_engine, session_scope
+from app.embedded.process import (
+    ServiceError,
+    log_tail,
+    running_pid,
+    start_detached,
+    stop_pid,
+)
+from app.embedded.stack import EmbeddedStack
+from app.serving.checkpoints import ensure_base_checkpoint, reconcile
+from app.serving.vllm import VllmServer
+
+
+@dataclass
+class RtrlProcess:
+    """One rtrl role (`gateway`, `worker`, `trainer`) as a detached `rtrl` subprocess."""
+
+    name: str
+    arguments: list[str]
+    root: Path
+    logs_dir: Path
+    ready_url: str | None = None
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / f"{self.name}.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.logs_dir / f"{self.name}.log"
+
+    @property
+    def url(self) -> str:
+        return self.ready_url or "-"
+
+    def pid(self) -> int | None:
+        return running_pid(self.pid_file)
+
+    def start(self, *, timeout: float = 120.0) -> None:
+        if self.pid() is not None:
+            return
+        process = start_detached(
+            [sys.executable, "-m", "app.cli", *self.arguments],
+            pid_file=self.pid_file,
+            log_file=self.log_file,
+        )
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if process.poll() is not None:
+                raise ServiceError(
+                    f"{self.name} exited with code {process.returncode}{log_tail(self.log_file)}"
+                )
+            if time.monotonic() > deadline:
+                raise ServiceError(f"{self.name} was not ready within {timeout:.0f} s")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        pid = self.pid()
+        if pid is not None:
+            stop_pid(pid, timeout=30)
+        self.pid_file.unlink(missing_ok=True)
+
+    def healthy(self) -> bool:
+        if self.pid() is None:
+            return False
+        if self.ready_url is None:
+            return True
+        try:
+            return httpx.get(self.ready_url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+@dataclass
+class StackRow:
+    name: str
+    state: str
+    pid: int | None
+    url: str
+
+
+@dataclass
+class FullStack:
+    settings: Settings
+    services: EmbeddedStack
+    vllm: VllmServer | None
+    gateway: RtrlProcess
+    workers: list[RtrlProcess]
+    trainer: RtrlProcess | None
+    progress: Callable[[str], None] = field(default=print)
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        workers: int = 1,
+        trainer: bool = True,
+        progress: Callable[[str], None] = print,
+    ) -> FullStack:
+        root = settings.data_dir.resolve() / "run"
+        logs = settings.logs_dir.resolve()
+        embedded_vllm = settings.vllm_urls == [embedded_vllm_url(settings.embedded_vllm_port)]
+        gateway_url = f"http://{settings.gateway_host}:{settings.gateway_port}"
+        return cls(
+            settings=settings,
+            services=EmbeddedStack.from_settings(settings),
+            vllm=VllmServer.from_settings(settings) if embedded_vllm else None,
+            gateway=RtrlProcess("gateway", ["gateway"], root, logs, f"{gateway_url}/readyz"),
+            workers=[
+                RtrlProcess(f"worker-{i}", ["worker"], root, logs) for i in range(1, workers + 1)
+            ],
+            trainer=RtrlProcess("trainer", ["trainer"], root, logs) if trainer else None,
+            progress=progress,
+        )
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.settings.gateway_host}:{self.settings.gateway_port}"
+
+    def up(self) -> list[StackRow]:
+        """Start everything that is not running yet, in dependency order."""
+        self.progress("services: Postgres, Kafka, Redis ...")
+        self.services.up()
+        self.ensure_base_model()
+        if self.vllm is not None:
+            self.progress("vLLM: starting (about a minute on 2 cores) ...")
+            started = time.monotonic()
+            self.vllm.start()
+            self.progress(f"vLLM: healthy after {time.monotonic() - started:.0f} s")
+        engine = make_engine(self.settings.database_url)
+        try:
+            with session_scope(engine) as session:
+                ensure_base_checkpoint(session, str(self.settings.base_model_path))
+            report = reconcile(engine, self.settings.vllm_urls)
+        finally:
+            engine.dispose()
+        if report.errors:
+            raise ServiceError("; ".join(report.errors))
+        for process in [self.gateway, *self.workers, *([self.trainer] if self.trainer else [])]:
+            self.progress(f"{process.name}: starting ...")
+            process.start()
+        return self.status()
+
+    def ensure_base_model(self) -> None:
+        model_dir = self.settings.base_model_path
+        if (model_dir / "config.json").is_file():
+            return
+        from trainer.bootstrap import BootstrapConfig, bootstrap_model
+
+        self.progress(f"base model: none at {model_dir}; bootstrapping (a few minutes) ...")
+        report = bootstrap_model(model_dir, BootstrapConfig())
+        self.progress(
+            f"base model: held-out pass rate {report.heldout_pass_greedy:.2f} greedy, "
+            f"{report.heldout_pass_sampled:.2f} sampled, built in {report.wall_seconds:.0f} s"
+        )
+
+    def down(self) -> list[StackRow]:
+        """Stop everything this stack started, in reverse order."""
+        for process in [*([self.trainer] if self.trainer else []), *self.workers, self.gateway]:
+            process.stop()
+        if self.vllm is not None:
+            self.vllm.stop()
+        self.services.down()
+        return self.status()
+
+    def status(self) -> list[StackRow]:
+        rows = [
+            StackRow(s.name, _state(s.embedded, s.running), s.pid, s.url)
+            for s in self.services.status()
+        ]
+        if self.vllm is not None:
+            rows.append(
+                StackRow("vllm", _state(True, self.vllm.healthy()), self.vllm.pid(), self.vllm.url)
+            )
+        for process in [self.gateway, *self.workers, *([self.trainer] if self.trainer else [])]:
+            url = self.gateway_url if process is self.gateway else "-"
+            rows.append(StackRow(process.name, _state(True, process.healthy()), process.pid(), url))
+        return rows
+
+
+def _state(embedded: bool, running: bool) -> str:
+    if not embedded:
+        return "external"
+    return "running" if running else "stopped"

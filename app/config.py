@@ -176,6 +176,24 @@ class Settings(BaseSettings):
         return self.data_dir / "spool"
 
 
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """The `RTRL_*` variables that make a child process read the same settings."""
+    env = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if isinstance(value, SecretStr):
+            text = value.get_secret_value()
+        elif isinstance(value, list):
+            text = ",".join(str(item) for item in value)
+        elif isinstance(value, timedelta):
+            text = str(value.total_seconds())
+        else:
+            text = str(value)
+        env[f"RTRL_{name.upper()}"] = text
+    return env
+
+
 def load_settings() -> Settings:
     """Read the settings from the environment, or fail naming the bad variable."""
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from app.config import Settings, embedded_vllm_url
+from app.config import Settings, embedded_vllm_url, settings_environment
 from app.db import make_engine, session_scope
 from app.embedded.process import (
     ServiceError,
@@ -33,6 +33,7 @@ class RtrlProcess:
     arguments: list[str]
     root: Path
     logs_dir: Path
+    environment: dict[str, str]
     ready_url: str | None = None
 
     @property
@@ -57,6 +58,7 @@ class RtrlProcess:
             [sys.executable, "-m", "app.cli", *self.arguments],
             pid_file=self.pid_file,
             log_file=self.log_file,
+            env=self.environment,
         )
         deadline = time.monotonic() + timeout
         while not self.healthy():
@@ -102,6 +104,8 @@ class FullStack:
     workers: list[RtrlProcess]
     trainer: RtrlProcess | None
     progress: Callable[[str], None] = field(default=print)
+    started: list[str] = field(default_factory=list)
+    """What `up` found stopped and started; `down(started_only=True)` stops just those."""
 
     @classmethod
     def from_settings(
@@ -116,15 +120,17 @@ class FullStack:
         logs = settings.logs_dir.resolve()
         embedded_vllm = settings.vllm_urls == [embedded_vllm_url(settings.embedded_vllm_port)]
         gateway_url = f"http://{settings.gateway_host}:{settings.gateway_port}"
+        env = settings_environment(settings)
         return cls(
             settings=settings,
             services=EmbeddedStack.from_settings(settings),
             vllm=VllmServer.from_settings(settings) if embedded_vllm else None,
-            gateway=RtrlProcess("gateway", ["gateway"], root, logs, f"{gateway_url}/readyz"),
+            gateway=RtrlProcess("gateway", ["gateway"], root, logs, env, f"{gateway_url}/readyz"),
             workers=[
-                RtrlProcess(f"worker-{i}", ["worker"], root, logs) for i in range(1, workers + 1)
+                RtrlProcess(f"worker-{i}", ["worker"], root, logs, env)
+                for i in range(1, workers + 1)
             ],
-            trainer=RtrlProcess("trainer", ["trainer"], root, logs) if trainer else None,
+            trainer=RtrlProcess("trainer", ["trainer"], root, logs, env) if trainer else None,
             progress=progress,
         )
 
@@ -135,9 +141,11 @@ class FullStack:
     def up(self) -> list[StackRow]:
         """Start everything that is not running yet, in dependency order."""
         self.progress("services: Postgres, Kafka, Redis ...")
+        self.started += [s.name for s in self.services.embedded() if s.pid() is None]
         self.services.up()
         self.ensure_base_model()
-        if self.vllm is not None:
+        if self.vllm is not None and self.vllm.pid() is None:
+            self.started.append(self.vllm.name)
             self.progress("vLLM: starting (about a minute on 2 cores) ...")
             started = time.monotonic()
             self.vllm.start()
@@ -151,10 +159,15 @@ class FullStack:
             engine.dispose()
         if report.errors:
             raise ServiceError("; ".join(report.errors))
-        for process in [self.gateway, *self.workers, *([self.trainer] if self.trainer else [])]:
-            self.progress(f"{process.name}: starting ...")
+        for process in self.roles():
+            if process.pid() is None:
+                self.started.append(process.name)
+                self.progress(f"{process.name}: starting ...")
             process.start()
         return self.status()
+
+    def roles(self) -> list[RtrlProcess]:
+        return [self.gateway, *self.workers, *([self.trainer] if self.trainer else [])]
 
     def ensure_base_model(self) -> None:
         model_dir = self.settings.base_model_path
@@ -169,13 +182,20 @@ class FullStack:
             f"{report.heldout_pass_sampled:.2f} sampled, built in {report.wall_seconds:.0f} s"
         )
 
-    def down(self) -> list[StackRow]:
-        """Stop everything this stack started, in reverse order."""
-        for process in [*([self.trainer] if self.trainer else []), *self.workers, self.gateway]:
-            process.stop()
-        if self.vllm is not None:
+    def down(self, *, started_only: bool = False) -> list[StackRow]:
+        """Stop the stack in reverse order (only what `up` started, if asked)."""
+
+        def wanted(name: str) -> bool:
+            return not started_only or name in self.started
+
+        for process in reversed(self.roles()):
+            if wanted(process.name):
+                process.stop()
+        if self.vllm is not None and wanted(self.vllm.name):
             self.vllm.stop()
-        self.services.down()
+        for service in reversed(self.services.embedded()):
+            if wanted(service.name):
+                service.stop()
         return self.status()
 
     def status(self) -> list[StackRow]:
@@ -187,7 +207,7 @@ class FullStack:
             rows.append(
                 StackRow("vllm", _state(True, self.vllm.healthy()), self.vllm.pid(), self.vllm.url)
             )
-        for process in [self.gateway, *self.workers, *([self.trainer] if self.trainer else [])]:
+        for process in self.roles():
             url = self.gateway_url if process is self.gateway else "-"
             rows.append(StackRow(process.name, _state(True, process.healthy()), process.pid(), url))
         return rows

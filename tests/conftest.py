@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 from transformers import LlamaForCausalLM
 
 from app.config import get_settings
-from app.db import make_engine
+from app.db import make_engine, session_scope
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
+from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
 from trainer.bootstrap import BootstrapConfig, bootstrap_model
 
@@ -57,6 +58,21 @@ def engine(stack: EmbeddedStack) -> Iterator[Engine]:
     engine = make_engine(stack.postgres.url)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture
+def clean_registry(engine: Engine, tiny_model_dir: Path) -> Engine:
+    """A clean slate: only the base checkpoint, in production; no samples, runs or experiments."""
+    with engine.begin() as connection:
+        connection.execute(
+            text(
+                "TRUNCATE rewards, samples, feedback_events, training_runs, arms, experiments,"
+                " alerts, checkpoints CASCADE"
+            )
+        )
+    with session_scope(engine) as session:
+        ensure_base_checkpoint(session, str(tiny_model_dir))
+    return engine
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ class TrainConfig:
     """Samples per optimizer step (split into micro-batches for gradient accumulation)."""
     micro_batch_size: int = 16
     """Samples per forward/backward pass; gradients accumulate up to `minibatch_size`."""
-    learning_rate: float = 1e-4
-    """AdamW learning rate; conservative, since a large step undoes a good policy."""
+    learning_rate: float = 5e-4
+    """AdamW learning rate for the LoRA; conservative, since a large step undoes a good policy."""
     max_grad_norm: float = 1.0
     """Gradient clipping."""
     clip_epsilon: float = 0.2
@@ -60,6 +60,9 @@ class TrainConfig:
     """Mean per-token KL(new ‖ production) on held-out prompts above this: reject."""
     canary_bps: int = 1000
     """Share of users routed to the new checkpoint, in basis points (10%)."""
+    threads: int = 0
+    """Torch CPU threads for the cycle; 0 keeps torch's default. Beside a local vLLM on a
+    2-core machine, 1 is several times faster than 2 (the threads wait on each other)."""
     device: str = ""
     """"" picks CUDA when available, else CPU."""
 

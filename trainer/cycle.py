@@ -55,7 +55,10 @@ def run_cycle(
         abandon_crashed_runs(engine)
         run_id, production, batch = open_run(engine, config)
         progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
+        threads = torch.get_num_threads()
         try:
+            if config.threads:
+                torch.set_num_threads(config.threads)
             return train_and_publish(
                 settings, config, engine, run_id, production, batch, progress, on_published
             )
@@ -64,6 +67,8 @@ def run_cycle(
                 engine, run_id, TrainingRunStatus.failed, reason=f"{type(exc).__name__}: {exc}"
             )
             raise
+        finally:
+            torch.set_num_threads(threads)
 
 
 def abandon_crashed_runs(engine: Engine) -> None:

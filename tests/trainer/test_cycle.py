@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from uuid import uuid4
 
 import pytest
 from safetensors.torch import load_file
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, func, select
 from transformers import PreTrainedTokenizerFast
 
 from app.config import Settings
@@ -24,7 +24,6 @@ from app.models import (
     TrainingRun,
     TrainingRunStatus,
 )
-from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.sampling import ServedCompletion, sample_completions
 from app.serving.vllm import VllmServer
 from app.tasks import Task, check_solution, extract_code, train_tasks
@@ -55,18 +54,8 @@ def base_served(vllm_server: VllmServer, tiny_model_dir: Path) -> Served:
 
 
 @pytest.fixture
-def registry(engine: Engine, tiny_model_dir: Path) -> Iterator[Engine]:
-    """A clean slate: only the base checkpoint, in production, and no samples or runs."""
-    with engine.begin() as connection:
-        connection.execute(
-            text(
-                "TRUNCATE rewards, samples, feedback_events, training_runs, arms, experiments,"
-                " checkpoints CASCADE"
-            )
-        )
-    with session_scope(engine) as session:
-        ensure_base_checkpoint(session, str(tiny_model_dir))
-    yield engine
+def registry(clean_registry: Engine) -> Engine:
+    return clean_registry
 
 
 def record(
@@ -128,6 +117,7 @@ def fast_config(**overrides: object) -> TrainConfig:
         eval_tasks=32,
         eval_max_regression=0.25,
         eval_max_kl=5.0,
+        threads=1,
     )
     for name, value in overrides.items():
         setattr(config, name, value)

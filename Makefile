@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install lint format test services-up services-down
+.PHONY: install lint format test demo browser services-up services-down
 
 install: $(STAMP)
 
@@ -32,8 +32,17 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: install lint
+test: install lint browser
 	$(PY) -m pytest
+
+# The dashboard test drives Debian's headless Chromium; without it that one test is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+		>/dev/null 2>&1 || echo "chromium could not be installed; the browser test will be skipped"
+
+demo: install
+	$(VENV)/bin/rtrl demo
 
 services-up: install
 	$(VENV)/bin/rtrl services up

@@ -25,6 +25,7 @@ from app.serving.checkpoints import (
 )
 from app.serving.replicas import ReplicaError
 from app.serving.vllm import VllmServer
+from app.simulator.command import simulate_command
 from trainer.config import TrainConfig
 from trainer.lock import CycleBusy
 
@@ -373,6 +374,27 @@ def trainer_loop() -> None:
         pass
     finally:
         engine.dispose()
+
+
+cli.command("simulate")(simulate_command)
+
+
+@cli.command("demo")
+def demo(
+    cycles: int = typer.Option(3, help="Training cycles."),
+    users: int = typer.Option(24, help="Developers whose traffic each cycle trains on."),
+    eval_users: int = typer.Option(40, help="Privacy-mode developers evaluating each canary."),
+    keep_running: bool = typer.Option(False, help="Leave the stack up after the summary."),
+) -> None:
+    """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
+    from app.demo import DemoConfig, run_demo
+
+    config = DemoConfig(
+        cycles=cycles, train_users=users, eval_users=eval_users, keep_running=keep_running
+    )
+    summary = run_demo(get_settings(), config, progress=typer.echo)
+    if summary.ci_low is None or summary.ci_low <= 0:
+        raise typer.Exit(code=2)
 
 
 def main() -> None:

@@ -50,10 +50,15 @@ ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assis
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Only system, user and assistant roles are supported') }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    # Tool calls and tool results are rendered as text: the IDE's agent loop passes them
+    # through, even though the bootstrap corpus never shows the model any.
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ message['tool_calls'] | tojson }}{% endif %}"
+    "{{ eos_token }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

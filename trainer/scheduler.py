@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import session_scope
+from app.gateway.assignment import notify_routing_changed_sync
 from app.models import ControlFlag
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
@@ -71,7 +72,12 @@ def run_scheduler(
             with session_scope(engine) as session:
                 set_flag(session, CYCLE_REQUESTED, False, by="trainer")
         try:
-            result = run_cycle(settings, config, engine=engine)
+            result = run_cycle(
+                settings,
+                config,
+                engine=engine,
+                on_published=lambda: notify_routing_changed_sync(settings.redis_url),
+            )
             log.info(
                 "cycle finished: run %s %s %s", result.run_id, result.status, result.reason or ""
             )

@@ -7,6 +7,7 @@ from app.models.checkpoint import LIVE_STATUSES, Checkpoint, CheckpointStatus
 from app.models.experiment import Arm, Experiment, ExperimentStatus
 from app.models.feedback import FeedbackEventRow, FeedbackKind
 from app.models.reward import Reward
+from app.models.rollup import ExperimentUser, ExperimentUserDay, HourlyRollup, RollupState
 from app.models.sample import Sample
 from app.models.training_run import TrainingRun, TrainingRunStatus
 
@@ -22,10 +23,14 @@ __all__ = [
     "ControlFlag",
     "Experiment",
     "ExperimentStatus",
+    "ExperimentUser",
+    "ExperimentUserDay",
     "FeedbackEventRow",
     "FeedbackKind",
+    "HourlyRollup",
     "Reward",
     "Role",
+    "RollupState",
     "Sample",
     "TrainingRun",
     "TrainingRunStatus",

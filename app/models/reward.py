@@ -18,6 +18,8 @@ class Reward(Base):
         # The finalization sweep scans only what is still open and due.
         Index("ix_rewards_open_due_at", "due_at", postgresql_where=text("finalized_at IS NULL")),
         Index("ix_rewards_finalized_at", "finalized_at"),
+        # Which rewards changed since the analytics rollup last looked.
+        Index("ix_rewards_updated_at_brin", "updated_at", postgresql_using="brin"),
     )
 
     sample_id: Mapped[int] = mapped_column(

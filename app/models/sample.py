@@ -28,6 +28,9 @@ class Sample(CreatedAt, Base):
         Index("ix_samples_checkpoint_served_at", "checkpoint", "served_at"),
         Index("ix_samples_experiment_arm_served_at", "experiment_id", "arm", "served_at"),
         Index("ix_samples_session_served_at", "session_id", "served_at"),
+        # Block-range indexes for the analytics rollup: which hours changed, and their rows.
+        Index("ix_samples_created_at_brin", "created_at", postgresql_using="brin"),
+        Index("ix_samples_served_at_brin", "served_at", postgresql_using="brin"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

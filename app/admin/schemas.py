@@ -1,0 +1,158 @@
+"""What ops send and read: checkpoints and lineage, experiments, keys, training, changes."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+from app.models import CheckpointStatus, ExperimentStatus, Role, TrainingRunStatus
+
+NAME = r"^[A-Za-z0-9._:-]+$"
+"""Names ops choose for experiments and arms: no spaces, quotes or path characters."""
+
+
+class CheckpointOut(BaseModel):
+    name: str
+    status: CheckpointStatus
+    parent: str | None
+    base_model: str
+    adapter_path: str | None
+    reward_version: int | None
+    published_at: datetime | None
+    promoted_at: datetime | None
+    retired_at: datetime | None
+    created_at: datetime
+
+
+class TrainingRunOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    status: TrainingRunStatus
+    reason: str | None
+    run_name: str | None
+    base_checkpoint_id: int | None
+    output_checkpoint_id: int | None
+    sample_count: int
+    window_start: datetime | None
+    window_end: datetime | None
+    started_at: datetime
+    finished_at: datetime | None
+    stats: dict[str, Any] | None
+    eval_results: dict[str, Any] | None
+
+
+class ArmOut(BaseModel):
+    name: str
+    checkpoint: str
+    weight_bps: int
+    is_control: bool
+
+
+class ExperimentOut(BaseModel):
+    id: int
+    name: str
+    route: str
+    status: ExperimentStatus
+    created_by: str | None
+    created_at: datetime
+    started_at: datetime | None
+    stopped_at: datetime | None
+    arms: list[ArmOut]
+
+
+class CheckpointDetail(CheckpointOut):
+    lineage: list[CheckpointOut]
+    """This checkpoint, its parent, the parent's parent, ... up to the base model."""
+    produced_by: list[TrainingRunOut]
+    """The training run(s) that published it."""
+    trained_from: list[TrainingRunOut]
+    """Training runs that started from it."""
+    experiments: list[ExperimentOut]
+
+
+class ArmIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=NAME)
+    checkpoint: str = Field(min_length=1, max_length=64, pattern=NAME)
+    weight_bps: int = Field(ge=0, le=10_000)
+    is_control: bool = False
+
+
+class ExperimentCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200, pattern=NAME)
+    route: str = Field(default="chat", min_length=1, max_length=64, pattern=NAME)
+    arms: list[ArmIn] = Field(min_length=2, max_length=10)
+    start: bool = False
+    """Start it right away (otherwise it is created as a draft)."""
+
+
+class Ramp(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weights: dict[str, int] = Field(min_length=1, max_length=10)
+    """Every arm's new weight in basis points, by arm name; they must sum to 10000."""
+
+
+class Reason(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str | None = Field(default=None, max_length=500)
+    """Why, for the audit log."""
+
+
+class ApiKeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    role: Role
+    privacy_mode: bool = False
+    rate_limit_per_minute: int | None = Field(default=None, ge=1, le=1_000_000)
+    expires_at: AwareDatetime | None = None
+
+
+class ApiKeyOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: uuid.UUID
+    name: str
+    role: Role
+    key_prefix: str
+    privacy_mode: bool
+    rate_limit_per_minute: int | None
+    created_by: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class ApiKeyCreated(ApiKeyOut):
+    secret: str
+    """Shown this once; only its hash is stored."""
+
+
+class TrainingState(BaseModel):
+    paused: bool
+    cycle_requested: bool
+    recent_runs: list[TrainingRunOut]
+
+
+class Change(BaseModel):
+    """One audited change: who did what to which target, the state before and after."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    actor: str
+    actor_key_id: uuid.UUID | None
+    action: str
+    target: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    at: datetime

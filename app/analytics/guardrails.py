@@ -1,0 +1,218 @@
+"""Guardrails: roll back a canary that is significantly worse than control, checked at will.
+
+A fixed-horizon test looked at again and again raises false alarms (peeking), so each
+guardrail uses the mixture sequential probability ratio test (mSPRT) with a normal mixing
+distribution N(0, tau^2) over the difference theta = canary - control. With the estimate
+theta_hat and its variance V,
+
+    Lambda = sqrt(V / (V + tau^2)) * exp(tau^2 * theta_hat^2 / (2 V (V + tau^2)))
+
+is a nonnegative martingale under theta = 0, so by Ville's inequality P(Lambda ever reaches
+1/alpha) <= alpha: rejecting when Lambda >= 1/alpha stays valid however often it is checked.
+Inverting it gives the always-valid confidence sequence
+theta_hat +- sqrt(V (V + tau^2) / tau^2 * (2 log(1/alpha) + log((V + tau^2) / V))).
+Reference: Johari, Koomen, Pekelis & Walsh, "Always Valid Inference: Continuous Monitoring
+of A/B Tests", Operations Research 70(3), 2022 (normal-mixture mSPRT, difference of means
+under the CLT). No maintained Python library implements it for summary statistics, hence
+these few lines. A canary is rolled back when the sequence lies wholly on the harmful side
+for any guardrail; alpha is split evenly across the guardrails (Bonferroni).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from app.admin.service import Actor, rollback_canary
+from app.analytics.repository import ArmSummary, arm_summaries_sync
+from app.analytics.rollups import refresh_rollups
+from app.gateway.assignment import notify_routing_changed_sync
+from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
+
+log = logging.getLogger(__name__)
+
+GUARDRAILS_ACTOR = Actor("guardrails")
+FAMILY_ALPHA = 0.05
+
+
+@dataclass(frozen=True)
+class Guardrail:
+    """One metric where higher is worse, and the effect size its test is tuned to."""
+
+    metric: str
+    kind: str  # "proportion" or "mean"
+    tau: float
+    """Standard deviation of the mixing distribution: the size of harm worth detecting."""
+    min_observations: int = 100
+
+
+GUARDRAILS = (
+    Guardrail("dissatisfied_rate", "proportion", tau=0.02),
+    Guardrail("latency_mean_ms", "mean", tau=100.0),
+    Guardrail("malformed_call_rate", "proportion", tau=0.01),
+    Guardrail("error_rate", "proportion", tau=0.01),
+)
+
+
+class GuardrailDecision(BaseModel):
+    experiment_id: int
+    arm: str
+    checkpoint: str
+    metric: str
+    canary_value: float | None
+    control_value: float | None
+    canary_observations: int
+    control_observations: int
+    difference: float | None
+    ci_low: float | None
+    """Always-valid confidence sequence of the difference at 1 - alpha."""
+    ci_high: float | None
+    alpha: float
+    harmful: bool
+    rolled_back: bool = False
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float | None
+    variance: float | None
+    """Variance of the estimate (not of the observations)."""
+    observations: int
+
+
+def estimate(summary: ArmSummary, guardrail: Guardrail) -> Estimate:
+    """A guardrail metric of one arm and the variance of its estimate."""
+    if guardrail.kind == "proportion":
+        successes, n = summary.proportion(guardrail.metric)
+        if n == 0:
+            return Estimate(None, None, 0)
+        rate = successes / n
+        return Estimate(rate, rate * (1 - rate) / n, n)
+    mean, variance, n = summary.mean(guardrail.metric)
+    if mean is None or variance is None:
+        return Estimate(mean, None, n)
+    return Estimate(mean, variance / n, n)
+
+
+def confidence_sequence(
+    difference: float, variance: float, tau: float, alpha: float
+) -> tuple[float, float]:
+    """The mSPRT's always-valid (1 - alpha) interval for the difference."""
+    radius = math.sqrt(
+        variance
+        * (variance + tau**2)
+        / tau**2
+        * (2 * math.log(1 / alpha) + math.log((variance + tau**2) / variance))
+    )
+    return difference - radius, difference + radius
+
+
+def decide(
+    canary: ArmSummary, control: ArmSummary, guardrail: Guardrail, alpha: float
+) -> tuple[Estimate, Estimate, float | None, tuple[float, float] | None, bool]:
+    """(canary, control, difference, interval, harmful) for one guardrail."""
+    treated, baseline = estimate(canary, guardrail), estimate(control, guardrail)
+    if treated.value is None or baseline.value is None:
+        return treated, baseline, None, None, False
+    difference = treated.value - baseline.value
+    enough = min(treated.observations, baseline.observations) >= guardrail.min_observations
+    variance = (treated.variance or 0.0) + (baseline.variance or 0.0)
+    if not enough or variance <= 0:
+        return treated, baseline, difference, None, False
+    interval = confidence_sequence(difference, variance, guardrail.tau, alpha)
+    return treated, baseline, difference, interval, interval[0] > 0
+
+
+def check_guardrails_in(session: Session, *, rollback: bool = False) -> list[GuardrailDecision]:
+    """Test every running canary against its control; roll back the harmful ones if asked.
+
+    Runs in the caller's transaction (the rollbacks and their audit entries included); the
+    caller commits and announces the routing change.
+    """
+    refresh_rollups(session.connection())
+    alpha = FAMILY_ALPHA / len(GUARDRAILS)
+    arms = session.execute(
+        select(Experiment.id, Arm.name, Arm.is_control, Checkpoint.name, Checkpoint.status)
+        .join(Arm, Arm.experiment_id == Experiment.id)
+        .join(Checkpoint, Checkpoint.id == Arm.checkpoint_id)
+        .where(Experiment.status == ExperimentStatus.running)
+        .order_by(Experiment.id, Arm.id)
+    ).all()
+    decisions: list[GuardrailDecision] = []
+    for experiment_id in sorted({row[0] for row in arms}):
+        rows = [row for row in arms if row[0] == experiment_id]
+        control_arm = next((row[1] for row in rows if row[2]), None)
+        canaries = [
+            (row[1], row[3]) for row in rows if not row[2] and row[4] == CheckpointStatus.canary
+        ]
+        if control_arm is None or not canaries:
+            continue
+        summaries = {s.arm: s for s in arm_summaries_sync(session, experiment_id, None, None)}
+        control = summaries.get(control_arm)
+        for arm, checkpoint in canaries:
+            canary = summaries.get(arm)
+            if canary is None or control is None:
+                continue
+            verdicts = [
+                _decision(experiment_id, arm, checkpoint, guardrail, alpha, canary, control)
+                for guardrail in GUARDRAILS
+            ]
+            harmful = [d.metric for d in verdicts if d.harmful]
+            if rollback and harmful:
+                rollback_canary(
+                    session,
+                    checkpoint,
+                    GUARDRAILS_ACTOR,
+                    reason=f"guardrails: {', '.join(harmful)} significantly worse than control",
+                )
+                log.warning("guardrails rolled back %s: %s", checkpoint, ", ".join(harmful))
+                verdicts = [d.model_copy(update={"rolled_back": True}) for d in verdicts]
+            decisions += verdicts
+    return decisions
+
+
+def _decision(
+    experiment_id: int,
+    arm: str,
+    checkpoint: str,
+    guardrail: Guardrail,
+    alpha: float,
+    canary: ArmSummary,
+    control: ArmSummary,
+) -> GuardrailDecision:
+    treated, baseline, difference, interval, harmful = decide(canary, control, guardrail, alpha)
+    return GuardrailDecision(
+        experiment_id=experiment_id,
+        arm=arm,
+        checkpoint=checkpoint,
+        metric=guardrail.metric,
+        canary_value=treated.value,
+        control_value=baseline.value,
+        canary_observations=treated.observations,
+        control_observations=baseline.observations,
+        difference=difference,
+        ci_low=interval[0] if interval else None,
+        ci_high=interval[1] if interval else None,
+        alpha=alpha,
+        harmful=harmful,
+    )
+
+
+def check_guardrails(
+    engine: Engine, *, rollback: bool = True, redis_url: str | None = None
+) -> list[GuardrailDecision]:
+    """Check every running canary; roll back the harmful ones (audited as "guardrails").
+
+    For a worker or trainer loop to call every few minutes. With `redis_url`, gateways are
+    told at once; otherwise they pick the change up on their refresh timer.
+    """
+    with Session(engine, expire_on_commit=False) as session, session.begin():
+        decisions = check_guardrails_in(session, rollback=rollback)
+    if redis_url and any(decision.rolled_back for decision in decisions):
+        notify_routing_changed_sync(redis_url)
+    return decisions

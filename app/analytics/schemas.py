@@ -1,0 +1,146 @@
+"""What analysts read: per-arm results with comparisons to control, trends, alerts, lineage."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, model_validator
+
+from app.analytics.repository import Bucket
+
+MetricKind = Literal["proportion", "mean", "percentile"]
+CHECKPOINT_NAME = r"^[A-Za-z0-9._-]{1,64}$"
+ARM_NAME = r"^[A-Za-z0-9._-]{1,64}$"
+
+
+class Window(BaseModel):
+    """A half-open time range [since, until); either end may be open."""
+
+    model_config = ConfigDict(frozen=True)
+
+    since: AwareDatetime | None = None
+    until: AwareDatetime | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Window:
+        if self.since is not None and self.until is not None and self.since >= self.until:
+            raise ValueError("since must be before until")
+        return self
+
+
+class VsControl(BaseModel):
+    """Treatment minus control; the interval is for the absolute difference."""
+
+    difference: float
+    relative_difference: float | None
+    ci_low: float | None
+    ci_high: float | None
+    p_value: float | None
+    significant: bool
+    """The interval excludes 0 (p < 0.05)."""
+
+
+class Metric(BaseModel):
+    value: float | None
+    observations: int
+    """How many samples the value is computed over (e.g. only those that got a follow-up)."""
+    vs_control: VsControl | None = None
+
+
+class ArmResult(BaseModel):
+    arm: str
+    checkpoint: str | None
+    is_control: bool
+    weight_bps: int | None
+    users: int
+    requests: int
+    fallback_requests: int
+    """Requests of the arm that production answered because the arm's checkpoint was down."""
+    metrics: dict[str, Metric]
+
+
+class SampleRatioCheck(BaseModel):
+    """Users per arm against the arms' weights (chi-square); a mismatch voids the results."""
+
+    chi_square: float | None
+    p_value: float
+    mismatch: bool
+    threshold: float
+    expected_share: dict[str, float]
+    observed_users: dict[str, int]
+
+
+class ArmBrief(BaseModel):
+    name: str
+    checkpoint: str
+    weight_bps: int
+    is_control: bool
+
+
+class ExperimentBrief(BaseModel):
+    id: int
+    name: str
+    route: str
+    status: str
+    started_at: datetime | None
+    stopped_at: datetime | None
+    arms: list[ArmBrief]
+
+
+class ExperimentResults(BaseModel):
+    experiment: ExperimentBrief
+    since: datetime | None
+    until: datetime | None
+    confidence_level: float
+    control_arm: str | None
+    arms: list[ArmResult]
+    sample_ratio: SampleRatioCheck | None
+    metric_kinds: dict[str, MetricKind]
+
+
+class TimeBucket(BaseModel):
+    start: datetime
+    requests: int
+    kept: float | None
+    kept_observations: int
+    mean_reward: float | None
+    reward_observations: int
+    dissatisfied_rate: float | None
+    dissatisfied_observations: int
+
+
+class CheckpointSeries(BaseModel):
+    checkpoint: str
+    buckets: list[TimeBucket]
+
+
+class TimeSeries(BaseModel):
+    bucket: Bucket
+    since: datetime | None
+    until: datetime | None
+    series: list[CheckpointSeries]
+
+
+class AlertOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    checkpoint: str
+    control_checkpoint: str
+    metric: str
+    canary_value: float
+    control_value: float
+    threshold: float
+    window_start: datetime
+    window_end: datetime
+    created_at: datetime
+
+
+class LineageNode(BaseModel):
+    name: str
+    parent: str | None
+    status: str
+    published_at: datetime | None
+    promoted_at: datetime | None
+    retired_at: datetime | None

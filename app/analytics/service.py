@@ -1,0 +1,390 @@
+"""Analytics reads: experiment results with statistics, trends, alerts, lineage, exports."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import AsyncIterator, Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select, text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import selectinload
+
+from app.analytics import stats
+from app.analytics.repository import (
+    MEANS,
+    PROPORTIONS,
+    SAMPLE_EXPORT_COLUMNS,
+    ArmSummary,
+    Bucket,
+    arm_summaries,
+    sample_export_query,
+    timeseries_query,
+)
+from app.analytics.rollups import MAX_AGE, latency_quantile, refresh_rollups, rollup_age
+from app.analytics.schemas import (
+    ArmBrief,
+    ArmResult,
+    CheckpointSeries,
+    ExperimentBrief,
+    ExperimentResults,
+    LineageNode,
+    Metric,
+    MetricKind,
+    SampleRatioCheck,
+    TimeBucket,
+    TimeSeries,
+    VsControl,
+    Window,
+)
+from app.models import Alert, Checkpoint, Experiment
+
+EXPORT_BATCH_ROWS = 2_000
+QUANTILES: dict[str, tuple[float, float]] = {
+    # name: (fraction, bandwidth h of the sparsity estimate (Q(p+h) - Q(p-h)) / 2h)
+    "latency_p50_ms": (0.50, 0.02),
+    "latency_p95_ms": (0.95, 0.01),
+    "latency_p99_ms": (0.99, 0.004),
+}
+
+
+class ExperimentNotFound(LookupError):
+    """No experiment has this id."""
+
+
+async def read_only(session: AsyncSession) -> None:
+    """Make the session's transaction read-only: analytics never writes."""
+    await session.execute(text("SET TRANSACTION READ ONLY"))
+
+
+async def experiment_briefs(
+    session: AsyncSession, experiment_id: int | None = None
+) -> list[ExperimentBrief]:
+    """Experiments (newest first) with their arms and the checkpoints the arms serve."""
+    query = select(Experiment).options(selectinload(Experiment.arms)).order_by(Experiment.id.desc())
+    if experiment_id is not None:
+        query = query.where(Experiment.id == experiment_id)
+    experiments = (await session.scalars(query)).all()
+    rows = await session.execute(select(Checkpoint.id, Checkpoint.name))
+    names = {row.id: row.name for row in rows}
+    return [
+        ExperimentBrief(
+            id=experiment.id,
+            name=experiment.name,
+            route=experiment.route,
+            status=experiment.status.value,
+            started_at=experiment.started_at,
+            stopped_at=experiment.stopped_at,
+            arms=[
+                ArmBrief(
+                    name=arm.name,
+                    checkpoint=names[arm.checkpoint_id],
+                    weight_bps=arm.weight_bps,
+                    is_control=arm.is_control,
+                )
+                for arm in experiment.arms
+            ],
+        )
+        for experiment in experiments
+    ]
+
+
+async def refresh_if_stale(
+    session_maker: async_sessionmaker[AsyncSession], max_age: timedelta = MAX_AGE
+) -> None:
+    """Bring the rollups up to date first when they are older than `max_age`."""
+    async with session_maker() as session:
+        age = await session.run_sync(lambda sync: rollup_age(sync.connection()))
+        if age is None or age > max_age:
+            await session.run_sync(lambda sync: refresh_rollups(sync.connection()))
+        await session.commit()
+
+
+def whole_days(window: Window) -> Window:
+    """The window widened to whole UTC days, the resolution of per-arm results."""
+    since = window.since and _day_start(window.since)
+    until = window.until and _day_start(window.until)
+    if until is not None and window.until is not None and until < window.until:
+        until += timedelta(days=1)
+    return Window(since=since, until=until)
+
+
+def whole_hours(window: Window) -> Window:
+    """The window widened to whole UTC hours, the resolution of the rollups."""
+    since = window.since and window.since.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    until = window.until and window.until.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    if until is not None and window.until is not None and until < window.until:
+        until += timedelta(hours=1)
+    return Window(since=since, until=until)
+
+
+def _day_start(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+async def experiment_results(
+    session: AsyncSession, experiment_id: int, window: Window
+) -> ExperimentResults:
+    """Per-arm metrics of an experiment over whole days, each compared with the control arm."""
+    briefs = await experiment_briefs(session, experiment_id)
+    if not briefs:
+        raise ExperimentNotFound(f"Experiment {experiment_id} does not exist.")
+    days = whole_days(window)
+    summaries = await arm_summaries(session, experiment_id, days.since, days.until)
+    return build_results(briefs[0], summaries, days)
+
+
+METRIC_KINDS: dict[str, MetricKind] = {
+    "acceptance_rate": "proportion",
+    "kept": "mean",
+    "dissatisfied_rate": "proportion",
+    "mean_reward": "mean",
+    "edit_rate": "proportion",
+    "malformed_call_rate": "proportion",
+    "error_rate": "proportion",
+    "latency_over_budget_rate": "proportion",
+    "latency_mean_ms": "mean",
+    "latency_p50_ms": "percentile",
+    "latency_p95_ms": "percentile",
+    "latency_p99_ms": "percentile",
+}
+
+
+def build_results(
+    experiment: ExperimentBrief, summaries: Sequence[ArmSummary], window: Window
+) -> ExperimentResults:
+    """Results from per-arm summaries: values, comparisons with control, sample-ratio check."""
+    arms = {arm.name: arm for arm in experiment.arms}
+    control_name = next((arm.name for arm in experiment.arms if arm.is_control), None)
+    by_arm = {summary.arm: summary for summary in summaries}
+    order = [arm.name for arm in experiment.arms] + sorted(by_arm.keys() - arms.keys())
+    control = by_arm.get(control_name) if control_name else None
+    results = []
+    for name in order:
+        summary = by_arm.get(name) or _empty_summary(name)
+        brief = arms.get(name)
+        results.append(
+            ArmResult(
+                arm=name,
+                checkpoint=brief.checkpoint if brief else None,
+                is_control=name == control_name,
+                weight_bps=brief.weight_bps if brief else None,
+                users=summary.users,
+                requests=summary.requests,
+                fallback_requests=summary.fallback_requests,
+                metrics=arm_metrics(summary, None if name == control_name else control),
+            )
+        )
+    return ExperimentResults(
+        experiment=experiment,
+        since=window.since,
+        until=window.until,
+        confidence_level=stats.CONFIDENCE,
+        control_arm=control_name,
+        arms=results,
+        sample_ratio=_sample_ratio(experiment.arms, by_arm),
+        metric_kinds=METRIC_KINDS,
+    )
+
+
+def _empty_summary(arm: str) -> ArmSummary:
+    return ArmSummary(arm=arm, users=0, sums={}, latency_histogram=[])
+
+
+def arm_metrics(summary: ArmSummary, control: ArmSummary | None) -> dict[str, Metric]:
+    """Each metric of one arm, with its comparison to control when there is a control."""
+    metrics: dict[str, Metric] = {}
+    for name in PROPORTIONS:
+        successes, observations = summary.proportion(name)
+        comparison = None
+        if control is not None:
+            comparison = stats.compare_proportions(
+                successes, observations, *control.proportion(name)
+            )
+        metrics[name] = Metric(
+            value=successes / observations if observations else None,
+            observations=observations,
+            vs_control=_vs(comparison),
+        )
+    for name in MEANS:
+        mean, variance, n = summary.mean(name)
+        comparison = None
+        if control is not None:
+            comparison = stats.compare_means(mean, variance, n, *control.mean(name))
+        metrics[name] = Metric(value=mean, observations=n, vs_control=_vs(comparison))
+    for name, (fraction, bandwidth) in QUANTILES.items():
+        value, se = _quantile(summary, fraction, bandwidth)
+        comparison = None
+        if control is not None:
+            comparison = stats.compare_quantiles(
+                value, se, *_quantile(control, fraction, bandwidth)
+            )
+        metrics[name] = Metric(
+            value=value, observations=summary.requests, vs_control=_vs(comparison)
+        )
+    return metrics
+
+
+def _quantile(
+    summary: ArmSummary, fraction: float, bandwidth: float
+) -> tuple[float | None, float | None]:
+    histogram = summary.latency_histogram
+    value = latency_quantile(histogram, fraction)
+    lower = latency_quantile(histogram, fraction - bandwidth)
+    upper = latency_quantile(histogram, fraction + bandwidth)
+    if value is None or lower is None or upper is None:
+        return value, None
+    return value, stats.quantile_standard_error(lower, upper, fraction, bandwidth, summary.requests)
+
+
+def _vs(comparison: stats.Comparison | None) -> VsControl | None:
+    if comparison is None:
+        return None
+    significant = (
+        comparison.ci_low is not None
+        and comparison.ci_high is not None
+        and (comparison.ci_low > 0 or comparison.ci_high < 0)
+    )
+    return VsControl(
+        difference=comparison.difference,
+        relative_difference=comparison.relative_difference,
+        ci_low=comparison.ci_low,
+        ci_high=comparison.ci_high,
+        p_value=comparison.p_value,
+        significant=significant,
+    )
+
+
+def _sample_ratio(
+    arms: Sequence[ArmBrief], by_arm: dict[str, ArmSummary]
+) -> SampleRatioCheck | None:
+    users = [by_arm[arm.name].users if arm.name in by_arm else 0 for arm in arms]
+    weights = [arm.weight_bps for arm in arms]
+    check = stats.sample_ratio_mismatch(users, weights)
+    if check is None:
+        return None
+    total_weight = sum(weights)
+    return SampleRatioCheck(
+        chi_square=check.chi_square if math.isfinite(check.chi_square) else None,
+        p_value=check.p_value,
+        mismatch=check.mismatch,
+        threshold=stats.SRM_ALPHA,
+        expected_share={arm.name: arm.weight_bps / total_weight for arm in arms},
+        observed_users={arm.name: n for arm, n in zip(arms, users, strict=True)},
+    )
+
+
+async def timeseries(
+    session: AsyncSession, bucket: Bucket, checkpoints: list[str], window: Window
+) -> TimeSeries:
+    """Requests, kept rate, mean reward and dissatisfied rate per checkpoint over time."""
+    hours = whole_hours(window)
+    rows = await session.execute(
+        timeseries_query(bucket, checkpoints or None, hours.since, hours.until)
+    )
+    series: dict[str, list[TimeBucket]] = {}
+    for row in rows:
+        series.setdefault(row.checkpoint, []).append(
+            TimeBucket(
+                start=row.bucket_start,
+                requests=int(row.requests),
+                kept=row.kept,
+                kept_observations=int(row.kept_n),
+                mean_reward=row.mean_reward,
+                reward_observations=int(row.reward_n),
+                dissatisfied_rate=row.dissatisfied_rate,
+                dissatisfied_observations=int(row.dissatisfied_n),
+            )
+        )
+    return TimeSeries(
+        bucket=bucket,
+        since=hours.since,
+        until=hours.until,
+        series=[CheckpointSeries(checkpoint=name, buckets=b) for name, b in series.items()],
+    )
+
+
+async def recent_alerts(session: AsyncSession, limit: int) -> list[Alert]:
+    """The reward-hacking monitors' latest alerts."""
+    query = select(Alert).order_by(Alert.created_at.desc(), Alert.id.desc()).limit(limit)
+    return list((await session.scalars(query)).all())
+
+
+async def lineage(session: AsyncSession) -> list[LineageNode]:
+    """Every checkpoint with its parent, oldest first: the lineage tree."""
+    checkpoints = (await session.scalars(select(Checkpoint).order_by(Checkpoint.id))).all()
+    names = {checkpoint.id: checkpoint.name for checkpoint in checkpoints}
+    return [
+        LineageNode(
+            name=checkpoint.name,
+            parent=names.get(checkpoint.parent_id) if checkpoint.parent_id else None,
+            status=checkpoint.status.value,
+            published_at=checkpoint.published_at,
+            promoted_at=checkpoint.promoted_at,
+            retired_at=checkpoint.retired_at,
+        )
+        for checkpoint in checkpoints
+    ]
+
+
+RESULT_CSV_FIELDS = (
+    *("value", "observations", "difference", "relative_difference"),
+    *("ci_low", "ci_high", "p_value"),
+)
+
+
+def results_csv(results: ExperimentResults) -> str:
+    """The per-arm table as CSV: one row per arm, seven columns per metric."""
+    metric_names = list(results.metric_kinds)
+    header = ["experiment_id", "arm", "checkpoint", "is_control", "weight_bps", "users"]
+    header += ["requests", "fallback_requests"]
+    header += [f"{metric}_{field}" for metric in metric_names for field in RESULT_CSV_FIELDS]
+    rows: list[list[Any]] = []
+    for arm in results.arms:
+        row: list[Any] = [results.experiment.id, arm.arm, arm.checkpoint, arm.is_control]
+        row += [arm.weight_bps, arm.users, arm.requests, arm.fallback_requests]
+        for metric_name in metric_names:
+            metric = arm.metrics.get(metric_name)
+            vs = metric.vs_control if metric else None
+            row += [
+                metric.value if metric else None,
+                metric.observations if metric else 0,
+                vs.difference if vs else None,
+                vs.relative_difference if vs else None,
+                vs.ci_low if vs else None,
+                vs.ci_high if vs else None,
+                vs.p_value if vs else None,
+            ]
+        rows.append(row)
+    return _csv_text([header, *rows])
+
+
+def _csv_text(rows: Iterable[Sequence[Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerows([["" if value is None else value for value in row] for row in rows])
+    return buffer.getvalue()
+
+
+async def sample_rows_csv(
+    session_maker: async_sessionmaker[AsyncSession],
+    experiment_id: int,
+    arm: str | None,
+    window: Window,
+) -> AsyncIterator[str]:
+    """Per-sample rows as CSV chunks, streamed from a server-side cursor."""
+    yield _csv_text([[column.key for column in SAMPLE_EXPORT_COLUMNS]])
+    query = sample_export_query(experiment_id, arm, window.since, window.until)
+    async with session_maker() as session:
+        await read_only(session)
+        result = await session.stream(query.execution_options(yield_per=EXPORT_BATCH_ROWS))
+        async for rows in result.partitions():
+            yield _csv_text(
+                [
+                    [value.isoformat() if hasattr(value, "isoformat") else value for value in row]
+                    for row in rows
+                ]
+            )

@@ -1,0 +1,90 @@
+"""FastAPI dependencies: the request's database session and role-checked, metered callers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from redis.exceptions import RedisError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.auth.schemas import Principal
+from app.auth.service import Authenticator, AuthError, RateLimiter
+from app.gateway.schemas import ApiError
+from app.models import Role
+
+log = logging.getLogger(__name__)
+
+
+async def get_db_session(request: Request) -> AsyncIterator[AsyncSession]:
+    """The request's session: committed when the handler succeeds, rolled back otherwise."""
+    async with request.app.state.session_maker() as session:
+        try:
+            yield session
+            await session.commit()
+        except BaseException:
+            await session.rollback()
+            raise
+
+
+def bearer_secret(request: Request) -> str:
+    """The API key from `Authorization: Bearer <key>`; 401 when absent or malformed."""
+    header = request.headers.get("authorization", "")
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise ApiError(
+            401,
+            "Missing API key: send `Authorization: Bearer <key>`.",
+            type="authentication_error",
+            code="missing_api_key",
+        )
+    return secret.strip()
+
+
+def require_role(*roles: Role) -> Callable[[Request], Awaitable[Principal]]:
+    """A dependency admitting keys of the given roles, within their rate limit."""
+    allowed = frozenset(roles)
+    names = ", ".join(sorted(role.value for role in allowed))
+
+    async def authorized_principal(request: Request) -> Principal:
+        authenticator: Authenticator = request.app.state.authenticator
+        try:
+            principal = await authenticator.authenticate(bearer_secret(request))
+        except AuthError as exc:
+            raise ApiError(
+                401, f"{exc}.", type="authentication_error", code="invalid_api_key"
+            ) from None
+        if principal.role not in allowed:
+            raise ApiError(
+                403,
+                f"This API key has role {principal.role.value}; this route needs {names}.",
+                type="permission_error",
+                code="insufficient_role",
+            )
+        await _within_rate_limit(request.app.state.rate_limiter, principal)
+        request.state.principal = principal
+        return principal
+
+    return authorized_principal
+
+
+async def _within_rate_limit(limiter: RateLimiter, principal: Principal) -> None:
+    try:
+        decision = await limiter.check(principal)
+    except RedisError:
+        # Metering is not worth an outage: without Redis, requests pass unmetered.
+        log.warning("rate limit not checked: Redis unavailable", exc_info=True)
+        return
+    if not decision.allowed:
+        raise ApiError(
+            429,
+            f"Rate limit of {decision.limit} requests per minute reached for this API key.",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={
+                "Retry-After": str(decision.retry_after_s),
+                "X-RateLimit-Limit": str(decision.limit),
+                "X-RateLimit-Remaining": "0",
+            },
+        )

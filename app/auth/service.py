@@ -1,0 +1,209 @@
+"""API keys: issue them, authenticate them (cached for seconds), and meter them in Redis."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from redis.asyncio import Redis
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.auth.schemas import Principal
+from app.models import ApiKey, Role
+
+SECRET_PREFIX = "rtrl_"
+DISPLAY_PREFIX_CHARS = 12
+AUTH_CACHE_TTL_S = 3.0
+"""How long a key lookup is trusted, so a revocation takes effect within this time."""
+AUTH_CACHE_MAX_ENTRIES = 10_000
+
+
+class AuthError(Exception):
+    """The presented key is missing, unknown, revoked or expired."""
+
+
+def hash_secret(secret: str) -> str:
+    """The SHA-256 hex digest stored for a key's secret."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_api_key(
+    *,
+    name: str,
+    role: Role,
+    privacy_mode: bool = False,
+    rate_limit_per_minute: int | None = None,
+    expires_at: datetime | None = None,
+    created_by: str | None = None,
+) -> tuple[ApiKey, str]:
+    """A new key row (not yet added to a session) and its secret, which is never stored."""
+    secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(
+        name=name,
+        role=role,
+        key_prefix=secret[:DISPLAY_PREFIX_CHARS],
+        key_hash=hash_secret(secret),
+        privacy_mode=privacy_mode,
+        rate_limit_per_minute=rate_limit_per_minute,
+        expires_at=expires_at,
+        created_by=created_by,
+    )
+    return row, secret
+
+
+async def create_api_key(
+    session: AsyncSession,
+    *,
+    name: str,
+    role: Role,
+    privacy_mode: bool = False,
+    rate_limit_per_minute: int | None = None,
+    expires_at: datetime | None = None,
+    created_by: str | None = None,
+) -> tuple[ApiKey, str]:
+    """Add a new key to the session and flush; the secret is returned once, here."""
+    row, secret = new_api_key(
+        name=name,
+        role=role,
+        privacy_mode=privacy_mode,
+        rate_limit_per_minute=rate_limit_per_minute,
+        expires_at=expires_at,
+        created_by=created_by,
+    )
+    session.add(row)
+    await session.flush()
+    return row, secret
+
+
+def _principal(row: ApiKey) -> Principal:
+    return Principal(
+        key_id=row.id,
+        name=row.name,
+        role=row.role,
+        privacy_mode=row.privacy_mode,
+        rate_limit_per_minute=row.rate_limit_per_minute,
+        expires_at=row.expires_at,
+    )
+
+
+class Authenticator:
+    """Resolves secrets to principals, caching each answer (even "no such key") for seconds."""
+
+    def __init__(
+        self,
+        session_maker: async_sessionmaker[AsyncSession],
+        *,
+        ttl_s: float = AUTH_CACHE_TTL_S,
+        max_entries: int = AUTH_CACHE_MAX_ENTRIES,
+    ) -> None:
+        self._session_maker = session_maker
+        self._ttl_s = ttl_s
+        self._max_entries = max_entries
+        self._cache: dict[str, tuple[float, Principal | None]] = {}
+
+    async def authenticate(self, secret: str) -> Principal:
+        """The principal of a valid key; AuthError when unknown, revoked or expired."""
+        if not secret.startswith(SECRET_PREFIX):
+            raise AuthError("invalid API key")
+        key_hash = hash_secret(secret)
+        now = time.monotonic()
+        cached = self._cache.get(key_hash)
+        if cached is not None and cached[0] > now:
+            principal = cached[1]
+        else:
+            principal = await self._lookup(key_hash)
+            if len(self._cache) >= self._max_entries:
+                self._evict(now)
+            self._cache[key_hash] = (now + self._ttl_s, principal)
+        if principal is None:
+            raise AuthError("invalid or revoked API key")
+        if principal.expires_at is not None and principal.expires_at <= datetime.now(UTC):
+            raise AuthError("API key expired")
+        return principal
+
+    def forget(self) -> None:
+        """Drop every cached answer."""
+        self._cache.clear()
+
+    async def _lookup(self, key_hash: str) -> Principal | None:
+        async with self._session_maker() as session:
+            row = await session.scalar(
+                select(ApiKey).where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
+            )
+            return None if row is None else _principal(row)
+
+    def _evict(self, now: float) -> None:
+        expired = [key for key, (until, _) in self._cache.items() if until <= now]
+        for key in expired:
+            del self._cache[key]
+        if len(self._cache) >= self._max_entries:
+            self._cache.clear()
+
+
+# One counter per key and clock minute; INCRBY and its expiry in one round trip.
+_TAKE_FROM_WINDOW = """
+local count = redis.call('INCRBY', KEYS[1], ARGV[1])
+if count == tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return count
+"""
+LEASES_PER_WINDOW = 60
+"""A replica takes a key's allowance from Redis in slices of 1/60 of its limit, and
+counts within a slice locally: one Redis call per slice instead of one per request. A
+replica may leave up to one slice unused at the end of a minute."""
+
+
+@dataclass(frozen=True, slots=True)
+class RateDecision:
+    allowed: bool
+    limit: int
+    retry_after_s: int
+
+
+@dataclass(slots=True)
+class _Lease:
+    window: int
+    left: int
+
+
+class RateLimiter:
+    """Per-key requests per clock minute, shared by every gateway replica through Redis."""
+
+    WINDOW_MS = 60_000
+
+    def __init__(self, redis: Redis, default_per_minute: int) -> None:
+        self._redis = redis
+        self._default = default_per_minute
+        self._script = redis.register_script(_TAKE_FROM_WINDOW)
+        self._leases: dict[uuid.UUID, _Lease] = {}
+
+    async def check(self, principal: Principal) -> RateDecision:
+        """Count one request against the key's allowance for the current minute."""
+        limit = principal.rate_limit_per_minute or self._default
+        now_ms = int(time.time() * 1000)
+        window = now_ms // self.WINDOW_MS
+        retry_after_s = max(1, -(-((window + 1) * self.WINDOW_MS - now_ms) // 1000))
+        lease = self._leases.get(principal.key_id)
+        if lease is None or lease.window != window:
+            lease = self._leases[principal.key_id] = _Lease(window, 0)
+        if lease.left == 0:
+            granted = await self._take(principal, window, limit)
+            if granted > 0:
+                lease.left += granted
+            elif lease.left == 0:
+                lease.left = -1  # this minute's allowance is spent: no more Redis calls
+        if lease.left < 0:
+            return RateDecision(allowed=False, limit=limit, retry_after_s=retry_after_s)
+        lease.left -= 1
+        return RateDecision(allowed=True, limit=limit, retry_after_s=retry_after_s)
+
+    async def _take(self, principal: Principal, window: int, limit: int) -> int:
+        """Take the next slice of this minute's allowance; 0 or less when none is left."""
+        size = max(1, limit // LEASES_PER_WINDOW)
+        key = f"rtrl:rate:{principal.key_id}:{window}"
+        taken = int(await self._script(keys=[key], args=[size, 2 * self.WINDOW_MS]))
+        return min(size, limit - (taken - size))

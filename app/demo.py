@@ -1,0 +1,407 @@
+"""`rtrl demo`: the closed loop on this machine, shown end to end.
+
+Simulated developers use production through the gateway; workers turn what they did into
+rewards; a training cycle publishes a canary; the canary is evaluated on held-out tasks by
+privacy-mode traffic (which is never trained on), read from `/analytics`, and promoted when
+it wins. The summary compares the last checkpoint with the base model on held-out traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine, func, select
+
+from app.auth.service import new_api_key
+from app.config import Settings
+from app.db import make_engine, session_scope
+from app.gateway.assignment import notify_routing_changed_sync
+from app.launcher import FullStack
+from app.models import (
+    Checkpoint,
+    CheckpointStatus,
+    Reward,
+    Role,
+    Sample,
+)
+from app.simulator.run import simulate
+from trainer.config import TrainConfig
+from trainer.cycle import run_cycle
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class DemoConfig:
+    cycles: int = 3
+    """Training cycles to run."""
+    train_users: int = 24
+    """Developers whose production traffic each cycle trains on."""
+    train_sessions: int = 2
+    """Sessions per developer per cycle."""
+    eval_users: int = 40
+    """Privacy-mode developers who evaluate each canary on held-out tasks."""
+    tasks_per_session: int = 5
+    """Coding tasks per session."""
+    time_scale: float = 0.01
+    """Compresses the 15-minute survival horizon to 9 s."""
+    concurrency: int = 8
+    """Requests in flight from the simulator."""
+    keep_running: bool = False
+    """Leave the stack running after the summary."""
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            min_samples=64,
+            epochs=4,
+            learning_rate=2e-3,
+            minibatch_size=64,
+            micro_batch_size=32,
+            eval_tasks=64,
+            eval_max_regression=0.1,
+            eval_max_kl=2.0,
+            threads=1,
+        )
+    )
+    """The training cycle's settings (a larger step than production's default)."""
+
+
+@dataclass
+class DemoKeys:
+    ide: str
+    evaluator: str
+    analyst: str
+    ops: str
+
+
+def create_keys(engine: Engine) -> DemoKeys:
+    """Fresh keys for the demo's developers, evaluators, analyst and operator."""
+    secrets: dict[str, str] = {}
+    with session_scope(engine) as session:
+        for label, role, privacy in (
+            ("ide", Role.ide, False),
+            ("evaluator", Role.ide, True),
+            ("analyst", Role.analyst, False),
+            ("ops", Role.ops, False),
+        ):
+            row, secret = new_api_key(
+                name=f"demo-{label}",
+                role=role,
+                privacy_mode=privacy,
+                # A whole simulated population shares each key.
+                rate_limit_per_minute=100_000,
+                created_by="rtrl demo",
+            )
+            session.add(row)
+            secrets[label] = secret
+    return DemoKeys(**secrets)
+
+
+def wait_for_rewards(
+    engine: Engine, request_ids: list[str], progress: Progress, timeout: float = 180.0
+) -> int:
+    """Block until every served request has a finalized reward (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    finalized = 0
+    while time.monotonic() < deadline:
+        with session_scope(engine) as session:
+            finalized = (
+                session.scalar(
+                    select(func.count())
+                    .select_from(Reward)
+                    .join(Sample, Sample.id == Reward.sample_id)
+                    .where(Sample.request_id.in_(request_ids), Reward.finalized_at.is_not(None))
+                )
+                or 0
+            )
+        if finalized >= len(request_ids):
+            break
+        time.sleep(1.0)
+    progress(f"  rewards: {finalized}/{len(request_ids)} finalized")
+    return finalized
+
+
+class Ops:
+    """The operator's side of the demo: every change goes through `/admin`, audited."""
+
+    def __init__(self, gateway_url: str, key: str) -> None:
+        self.client = httpx.Client(
+            base_url=f"{gateway_url}/admin",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+
+    def _post(self, path: str, body: object = None) -> Any:
+        response = self.client.post(path, json=body)
+        if response.status_code >= 400:
+            raise RuntimeError(f"POST /admin{path}: {response.status_code} {response.text}")
+        return response.json()
+
+    def running_experiments(self) -> list[dict[str, Any]]:
+        response = self.client.get("/experiments", params={"status": "running"})
+        response.raise_for_status()
+        experiments: list[dict[str, Any]] = response.json()
+        return experiments
+
+    def stop_all(self) -> None:
+        for experiment in self.running_experiments():
+            self._post(f"/experiments/{experiment['id']}/stop", {"reason": "rtrl demo"})
+
+    def ramp(self, experiment_id: int, weights: dict[str, int]) -> None:
+        self._post(f"/experiments/{experiment_id}/ramp", {"weights": weights})
+
+    def promote(self, name: str) -> None:
+        self._post(f"/checkpoints/{name}/promote", {"reason": "won its A/B test"})
+
+    def roll_back(self, name: str) -> None:
+        self._post(f"/checkpoints/{name}/rollback", {"reason": "did not win its A/B test"})
+
+    def start_experiment(self, name: str, control: str, treatment: str, share_bps: int) -> int:
+        created = self._post(
+            "/experiments",
+            {
+                "name": name,
+                "arms": [
+                    {
+                        "name": "control",
+                        "checkpoint": control,
+                        "weight_bps": 10_000 - share_bps,
+                        "is_control": True,
+                    },
+                    {"name": "treatment", "checkpoint": treatment, "weight_bps": share_bps},
+                ],
+                "start": True,
+            },
+        )
+        return int(created["id"])
+
+
+def production_name(engine: Engine) -> str:
+    with session_scope(engine) as session:
+        name = session.scalar(
+            select(Checkpoint.name).where(Checkpoint.status == CheckpointStatus.production)
+        )
+    assert name is not None
+    return name
+
+
+def results(gateway_url: str, analyst_key: str, experiment_id: int) -> dict[str, Any]:
+    response = httpx.get(
+        f"{gateway_url}/analytics/experiments/{experiment_id}/results",
+        headers={"Authorization": f"Bearer {analyst_key}"},
+        timeout=60,
+    )
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def _cell(metric: dict[str, Any], percent: bool) -> str:
+    value = metric.get("value")
+    if value is None:
+        return "-"
+    text = f"{value * 100:.1f}%" if percent else f"{value:.3g}"
+    versus = metric.get("vs_control")
+    if versus and versus.get("ci_low") is not None:
+        scale = 100 if percent else 1
+        unit = "pp" if percent else ""
+        text += (
+            f" ({versus['difference'] * scale:+.1f}{unit},"
+            f" CI {versus['ci_low'] * scale:+.1f}..{versus['ci_high'] * scale:+.1f})"
+        )
+    return text
+
+
+def ab_table(body: dict[str, Any]) -> str:
+    """The per-arm table an analyst reads, as text."""
+    lines = [
+        f"{'arm':<10} {'checkpoint':<10} {'users':>5} {'reqs':>5}  {'kept':<30}"
+        f" {'dissatisfied':<30} {'p50 ms':>7}  mean reward"
+    ]
+    for arm in body["arms"]:
+        metrics = arm["metrics"]
+        p50 = metrics.get("latency_p50_ms", {}).get("value")
+        lines.append(
+            f"{arm['arm']:<10} {arm['checkpoint'] or '-':<10} {arm['users']:>5}"
+            f" {arm['requests']:>5}  {_cell(metrics['kept'], True):<30}"
+            f" {_cell(metrics['dissatisfied_rate'], True):<30}"
+            f" {p50 if p50 is None else round(p50):>7}  {_cell(metrics['mean_reward'], False)}"
+        )
+    ratio = body.get("sample_ratio")
+    if ratio:
+        lines.append(
+            f"sample ratio check: p = {ratio['p_value']:.3f}"
+            + ("  MISMATCH: do not trust these results" if ratio["mismatch"] else "  ok")
+        )
+    return "\n".join(lines)
+
+
+def treatment_kept(body: dict[str, Any]) -> dict[str, Any]:
+    arm = next(a for a in body["arms"] if not a["is_control"])
+    kept: dict[str, Any] = arm["metrics"]["kept"]
+    return kept
+
+
+@dataclass
+class DemoSummary:
+    checkpoints: list[str]
+    final_checkpoint: str
+    base_kept: float | None
+    final_kept: float | None
+    difference: float | None
+    ci_low: float | None
+    ci_high: float | None
+    dashboard_url: str
+
+
+def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print) -> DemoSummary:
+    """Start the stack, run the cycles, print the A/B tables and the final summary."""
+    started = time.monotonic()
+    stack = FullStack.from_settings(settings, workers=1, trainer=False, progress=progress)
+    stack.up()
+    engine = make_engine(settings.database_url)
+    gateway = stack.gateway_url
+    try:
+        keys = create_keys(engine)
+        ops = Ops(gateway, keys.ops)
+        ops.stop_all()
+        lineage = [production_name(engine)]
+        base = "base"
+        for cycle in range(1, config.cycles + 1):
+            production = production_name(engine)
+            progress(f"\n=== cycle {cycle}/{config.cycles}: production is {production} ===")
+            progress(f"  {config.train_users} developers work on training tasks ...")
+            report = simulate(
+                gateway,
+                keys.ide,
+                users=config.train_users,
+                sessions_per_user=config.train_sessions,
+                tasks_per_session=config.tasks_per_session,
+                time_scale=config.time_scale,
+                seed=cycle,
+                split="train",
+                concurrency=config.concurrency,
+            )
+            progress(
+                f"  served {report.requests_ok} requests"
+                f" ({report.requests_failed} failed) in {report.wall_s:.0f} s"
+            )
+            wait_for_rewards(engine, [r.request_id for r in report.served], progress)
+            result = run_cycle(
+                settings,
+                config.train,
+                engine=engine,
+                progress=lambda line: progress(f"  {line}"),
+                on_published=lambda: notify_routing_changed_sync(settings.redis_url),
+            )
+            if result.checkpoint is None:
+                progress(f"  no checkpoint this cycle: {result.status} ({result.reason})")
+                continue
+            candidate = result.checkpoint
+            experiment_id = ops.running_experiments()[0]["id"]
+            progress(f"  canary {candidate} healthy; ramping to 50% for evaluation")
+            ops.ramp(experiment_id, {"control": 5000, "treatment": 5000})
+            evaluation = simulate(
+                gateway,
+                keys.evaluator,
+                users=config.eval_users,
+                sessions_per_user=1,
+                tasks_per_session=config.tasks_per_session,
+                time_scale=config.time_scale,
+                seed=1000 + cycle,
+                split="heldout",
+                concurrency=config.concurrency,
+            )
+            wait_for_rewards(engine, [r.request_id for r in evaluation.served], progress)
+            body = results(gateway, keys.analyst, experiment_id)
+            progress("  A/B results on held-out tasks (from /analytics):")
+            progress("  " + ab_table(body).replace("\n", "\n  "))
+            kept = treatment_kept(body)
+            versus = kept.get("vs_control") or {}
+            if versus.get("difference", 0) > 0:
+                ops.promote(candidate)
+                lineage.append(candidate)
+                verdict = "significantly" if versus.get("significant") else "not yet significantly"
+                progress(f"  {candidate} is {verdict} ahead on kept rate: promoted to production")
+            else:
+                ops.roll_back(candidate)
+                progress(f"  {candidate} does not win: rolled back")
+            ops.stop_all()
+
+        final = production_name(engine)
+        summary = final_comparison(engine, ops, config, keys, gateway, base, final, progress)
+        summary.checkpoints = lineage
+        progress(f"\nlineage: {' -> '.join(lineage)}")
+        progress(
+            f"dashboard: {summary.dashboard_url}  (log in with the analyst key: {keys.analyst})"
+        )
+        progress(f"demo finished in {(time.monotonic() - started) / 60:.1f} min")
+        return summary
+    finally:
+        engine.dispose()
+        if not config.keep_running:
+            progress("stopping what the demo started ...")
+            stack.down(started_only=True)
+
+
+def final_comparison(
+    engine: Engine,
+    ops: Ops,
+    config: DemoConfig,
+    keys: DemoKeys,
+    gateway: str,
+    base: str,
+    final: str,
+    progress: Progress,
+) -> DemoSummary:
+    """Base vs the last checkpoint, 50/50, on held-out tasks nobody trained on."""
+    dashboard = f"{gateway}/dashboard"
+    if final == base:
+        progress("\nno checkpoint beat the base model; nothing to compare")
+        return DemoSummary([], final, None, None, None, None, None, dashboard)
+    progress(f"\n=== summary: {base} vs {final} on held-out tasks, 50/50 ===")
+    experiment_id = ops.start_experiment(
+        f"demo-{base}-vs-{final}-{int(time.time())}", base, final, 5000
+    )
+    evaluation = simulate(
+        gateway,
+        keys.evaluator,
+        users=config.eval_users * 2,
+        sessions_per_user=1,
+        tasks_per_session=config.tasks_per_session,
+        time_scale=config.time_scale,
+        seed=9999,
+        split="heldout",
+        concurrency=config.concurrency,
+    )
+    wait_for_rewards(engine, [r.request_id for r in evaluation.served], progress)
+    body = results(gateway, keys.analyst, experiment_id)
+    progress(ab_table(body))
+    ops.stop_all()
+    control = next(a for a in body["arms"] if a["is_control"])["metrics"]["kept"]
+    kept = treatment_kept(body)
+    versus = kept.get("vs_control") or {}
+    if versus.get("ci_low") is not None:
+        verdict = (
+            "excludes 0: the loop made the assistant better"
+            if versus["ci_low"] > 0
+            else ("includes 0: no proven improvement")
+        )
+        progress(
+            f"kept rate {control['value'] * 100:.1f}% -> {kept['value'] * 100:.1f}%:"
+            f" {versus['difference'] * 100:+.1f} pp, 95% CI"
+            f" [{versus['ci_low'] * 100:+.1f}, {versus['ci_high'] * 100:+.1f}] pp, {verdict}"
+        )
+    return DemoSummary(
+        checkpoints=[],
+        final_checkpoint=final,
+        base_kept=control.get("value"),
+        final_kept=kept.get("value"),
+        difference=versus.get("difference"),
+        ci_low=versus.get("ci_low"),
+        ci_high=versus.get("ci_high"),
+        dashboard_url=dashboard,
+    )

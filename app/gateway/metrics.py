@@ -1,0 +1,48 @@
+"""Prometheus metrics of the gateway's own work: upstream, routing, events."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+UPSTREAM_ERRORS = Counter(
+    "rtrl_upstream_errors_total",
+    "Failed calls to vLLM replicas, by replica and kind: connect (failed over) or broken.",
+    ["replica", "error"],
+)
+UPSTREAM_UNAVAILABLE = Counter(
+    "rtrl_upstream_unavailable_total", "Requests answered 503 because no vLLM replica answered."
+)
+COMPLETIONS = Counter(
+    "rtrl_completions_total",
+    "Completions served, by checkpoint and status.",
+    ["checkpoint", "status"],
+)
+TTFT = Histogram(
+    "rtrl_completion_ttft_seconds",
+    "Time to the first token, by checkpoint.",
+    ["checkpoint"],
+    buckets=LATENCY_BUCKETS,
+)
+COMPLETION_LATENCY = Histogram(
+    "rtrl_completion_seconds",
+    "Time to the last token, by checkpoint.",
+    ["checkpoint"],
+    buckets=LATENCY_BUCKETS,
+)
+FALLBACKS = Counter(
+    "rtrl_routing_fallbacks_total",
+    "Requests whose arm's checkpoint was not served, so production answered.",
+    ["checkpoint"],
+)
+EVENTS_PUBLISHED = Counter(
+    "rtrl_events_published_total", "Events acknowledged by Kafka, by topic.", ["topic"]
+)
+EVENTS_SPOOLED = Counter(
+    "rtrl_events_spooled_total", "Events written to the on-disk spool, by topic.", ["topic"]
+)
+EVENTS_DROPPED = Counter(
+    "rtrl_events_dropped_total", "Events lost because neither memory nor the spool could hold them."
+)
+SPOOL_DEPTH = Gauge("rtrl_spool_depth", "Events waiting for Kafka, by where they wait.", ["where"])

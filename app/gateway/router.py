@@ -1,0 +1,162 @@
+"""`POST /v1/chat/completions` and `GET /v1/models`, as the OpenAI API has them.
+
+Headers the gateway reads:
+  Authorization: Bearer <key>   an `ide` key.
+  X-Session-Id                  required; the IDE session, key of the logged events.
+  X-Request-Id                  optional; unique per request (a reused one is answered 409,
+                                since a completion is never replayed); generated if absent
+                                and always returned in the response header.
+  X-User-Id                     optional; the IDE's stable user id (default: the key's id).
+  X-Rtrl-Privacy: 1             optional; no content is logged (also a per-key setting).
+  X-Rtrl-Edit-Request: 1|0      optional; whether the user asked for an edit (default: a
+                                heuristic over the last user message).
+The body's `model` is ignored: the gateway picks the checkpoint (A/B assignment), and the
+response's `model` names the checkpoint that answered.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+
+from app.auth.dependencies import require_role
+from app.auth.schemas import Principal
+from app.config import Settings
+from app.gateway.assignment import hash_user
+from app.gateway.schemas import ApiError, ChatRequest, ModelCard, ModelList
+from app.gateway.service import ChatCall, Gateway
+from app.gateway.toolcalls import looks_like_edit_request
+from app.models import Role
+
+router = APIRouter(prefix="/v1", tags=["gateway"])
+
+ROUTED_MODEL = "rtrl"
+"""The one model the gateway lists; any `model` value is accepted and routed the same."""
+
+# The event schema's alphabet for ids: nothing that could smuggle a header or a log line.
+_ID_CHARS = re.compile(r"[A-Za-z0-9._:@-]+")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(_: Principal = Depends(require_role(Role.ide))) -> ModelList:
+    """The routed model clients should name; which checkpoint answers is the gateway's call."""
+    return ModelList(data=[ModelCard(id=ROUTED_MODEL)])
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    request: Request, principal: Principal = Depends(require_role(Role.ide))
+) -> Response:
+    """An OpenAI chat completion, streaming or not, served by the user's checkpoint."""
+    received_at, started = datetime.now(UTC), time.perf_counter()
+    gateway: Gateway = request.app.state.gateway
+    settings: Settings = request.app.state.settings
+    session_id = _required_id_header(request, "x-session-id")
+    request_id = _id_header(request, "x-request-id") or request.state.request_id
+    user_id = _id_header(request, "x-user-id", max_length=256) or str(principal.key_id)
+    body, chat = await _chat_body(request)
+    edit_header = _flag_header(request, "x-rtrl-edit-request")
+    call = ChatCall(
+        request=chat,
+        body=body,
+        session_id=session_id,
+        request_id=request_id,
+        user_hash=hash_user(settings.user_hash_secret.get_secret_value(), user_id),
+        api_key_id=principal.key_id,
+        privacy=principal.privacy_mode or bool(_flag_header(request, "x-rtrl-privacy")),
+        edit_requested=(
+            edit_header if edit_header is not None else looks_like_edit_request(chat.messages)
+        ),
+        received_at=received_at,
+        started=started,
+    )
+    assignment = await gateway.assign(call.user_hash)
+    if chat.stream:
+        chunks, assignment = await gateway.open_stream(call, assignment)
+        headers = _served_headers(assignment.checkpoint, _SSE_HEADERS)
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+    content, assignment, log_sample = await gateway.complete(call, assignment)
+    return Response(
+        content,
+        media_type="application/json",
+        headers=_served_headers(assignment.checkpoint),
+        background=BackgroundTask(_run_soon, log_sample),
+    )
+
+
+async def _run_soon(work: Callable[[], None]) -> None:
+    # Async, so Starlette runs it on the event loop instead of handing it to a thread.
+    work()
+
+
+def _served_headers(checkpoint: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {"X-Rtrl-Checkpoint": checkpoint, **(extra or {})}
+
+
+async def _chat_body(request: Request) -> tuple[dict[str, Any], ChatRequest]:
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
+    try:
+        return body, ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise ApiError(
+            400, f"Invalid {param or 'body'}: {error['msg']}", code="invalid_value", param=param
+        ) from None
+
+
+def _required_id_header(request: Request, name: str) -> str:
+    value = _id_header(request, name)
+    if value is None:
+        raise ApiError(
+            400,
+            f"The {_title(name)} header is required.",
+            code="missing_header",
+            param=_title(name),
+        )
+    return value
+
+
+def _id_header(request: Request, name: str, *, max_length: int = 128) -> str | None:
+    value = request.headers.get(name)
+    if value is None:
+        return None
+    if len(value) > max_length or not _ID_CHARS.fullmatch(value):
+        raise ApiError(
+            400,
+            f"The {_title(name)} header must be 1-{max_length} characters of A-Z a-z 0-9 . _ : @ -",
+            code="invalid_header",
+            param=_title(name),
+        )
+    return value
+
+
+def _flag_header(request: Request, name: str) -> bool | None:
+    value = request.headers.get(name)
+    if value is None:
+        return None
+    if value not in ("0", "1"):
+        raise ApiError(
+            400, f"The {_title(name)} header must be 0 or 1.", code="invalid_header", param=name
+        )
+    return value == "1"
+
+
+def _title(name: str) -> str:
+    return "-".join("Id" if part == "id" else part.capitalize() for part in name.split("-"))

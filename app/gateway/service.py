@@ -1,0 +1,474 @@
+"""Serving one chat completion: route it, call vLLM, answer the client, log the sample."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from app.events import COMPLETIONS_TOPIC, CompletionEvent
+from app.gateway.assignment import Assignment, RoutingCache
+from app.gateway.metrics import (
+    COMPLETION_LATENCY,
+    COMPLETIONS,
+    FALLBACKS,
+    TTFT,
+    UPSTREAM_UNAVAILABLE,
+)
+from app.gateway.schemas import ApiError, ChatRequest
+from app.gateway.spool import EventSink
+from app.gateway.toolcalls import (
+    ToolCallCheck,
+    ToolSchemas,
+    asks_clarifying_question,
+    proposes_edit,
+)
+from app.gateway.upstream import (
+    BROKEN,
+    Upstream,
+    UpstreamReply,
+    UpstreamStream,
+    UpstreamUnavailable,
+)
+from app.serving.vllm import vllm_device
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CHAT_PATH = "/v1/chat/completions"
+REQUEST_ID_TTL_S = 6 * 3600
+"""How long a served request id is remembered: for duplicate checks and feedback."""
+# vLLM extension fields the gateway always asks for and hides unless the client asked too.
+_TOKEN_ID_FIELDS = ("prompt_token_ids", "prompt_text")
+
+
+class Unserved(ApiError):
+    """Nothing was served for the request, so its id may be used again."""
+
+
+def request_key(request_id: str) -> str:
+    """The Redis key remembering that the gateway served `request_id` (value: session id)."""
+    return f"rtrl:req:{request_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCall:
+    """Everything known about a chat request before vLLM is called."""
+
+    request: ChatRequest
+    body: dict[str, Any]
+    session_id: str
+    request_id: str
+    user_hash: str
+    api_key_id: uuid.UUID
+    privacy: bool
+    edit_requested: bool
+    received_at: datetime
+    started: float
+    """`time.perf_counter()` when the request arrived."""
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.request.logprobs)
+
+    @property
+    def wants_token_ids(self) -> bool:
+        return bool(self.body.get("return_token_ids"))
+
+
+@dataclass
+class CompletionRecord:
+    """What came back, accumulated from one response or from a stream's chunks."""
+
+    text_parts: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def add_choice(self, choice: dict[str, Any], *, message_key: str, now: float) -> None:
+        """Fold one choice (a whole message, or one stream delta) into the record."""
+        message = choice.get(message_key) or {}
+        content = message.get("content")
+        token_ids = choice.get("token_ids") or []
+        if (content or message.get("tool_calls") or token_ids) and self.first_token_at is None:
+            self.first_token_at = now
+        if content:
+            self.text_parts.append(content)
+        for position, call in enumerate(message.get("tool_calls") or []):
+            self._add_tool_call(call.get("index", position), call)
+        self.completion_token_ids.extend(token_ids)
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        self.logprobs.extend(float(entry["logprob"]) for entry in entries)
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+
+    def _add_tool_call(self, index: int, delta: dict[str, Any]) -> None:
+        call = self.tool_calls.setdefault(
+            index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        call["id"] = delta.get("id") or call["id"]
+        function = delta.get("function") or {}
+        call["function"]["name"] += function.get("name") or ""
+        arguments = function.get("arguments")
+        if isinstance(arguments, dict):
+            arguments = orjson.dumps(arguments).decode()
+        call["function"]["arguments"] += arguments or ""
+
+
+class Gateway:
+    """The gateway's long-lived parts, and the chat completion flow over them."""
+
+    def __init__(
+        self,
+        *,
+        upstream: Upstream,
+        routing: RoutingCache,
+        sink: EventSink,
+        redis: Redis,
+    ) -> None:
+        self.upstream = upstream
+        self.routing = routing
+        self.sink = sink
+        self.redis = redis
+
+    async def assign(self, user_hash: str) -> Assignment:
+        """The checkpoint that serves this user now, falling back to production if unserved."""
+        table = self.routing.table
+        if table.experiment is None:
+            return table.assign(user_hash)
+        assignment = table.assign(user_hash, await self.upstream.served_models())
+        if assignment.unserved is not None:
+            FALLBACKS.labels(assignment.unserved).inc()
+        return assignment
+
+    async def reserve_request_id(self, request_id: str, session_id: str) -> None:
+        """Remember the request id for feedback; 409 when it was already used."""
+        try:
+            fresh = await self.redis.set(
+                request_key(request_id), session_id, nx=True, ex=REQUEST_ID_TTL_S
+            )
+        except RedisError:
+            log.warning("request id %s not recorded: Redis unavailable", request_id)
+            return
+        if not fresh:
+            raise ApiError(
+                409,
+                f"Request id {request_id!r} was already used; a completion is never replayed. "
+                "Send a new X-Request-Id.",
+                type="conflict_error",
+                code="duplicate_request_id",
+                param="X-Request-Id",
+            )
+
+    async def _alongside(self, call: ChatCall, model_call: Awaitable[T]) -> T:
+        """The model call's result once the request id is known to be fresh.
+
+        The id is reserved in Redis while vLLM works, keeping a round trip off the critical
+        path; a reused id cancels the call, and a call that served nothing frees the id.
+        """
+        reservation = asyncio.ensure_future(
+            self.reserve_request_id(call.request_id, call.session_id)
+        )
+        work = asyncio.ensure_future(model_call)
+        try:
+            await reservation
+        except BaseException:
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+            raise
+        try:
+            return await work
+        except Unserved:
+            await self.release_request_id(call.request_id)
+            raise
+
+    async def release_request_id(self, request_id: str) -> None:
+        """Forget a request id nothing was served for, so the client may retry with it."""
+        try:
+            await self.redis.delete(request_key(request_id))
+        except RedisError:
+            log.warning("request id %s not released: Redis unavailable", request_id)
+
+    def upstream_body(self, call: ChatCall, checkpoint: str) -> dict[str, Any]:
+        """The client's body, aimed at the checkpoint, asking for token ids and logprobs."""
+        body = dict(call.body)
+        if vllm_device() == "cpu":
+            # vLLM's CPU backend kills its engine on a seeded request (every user then gets
+            # 500s until a restart), so a seed is never forwarded to it.
+            body.pop("seed", None)
+        body["model"] = checkpoint
+        body["logprobs"] = True
+        if not call.wants_logprobs:
+            body["top_logprobs"] = 0
+        body["return_token_ids"] = True
+        return body
+
+    async def complete(
+        self, call: ChatCall, assignment: Assignment
+    ) -> tuple[bytes, Assignment, Callable[[], None]]:
+        """A non-streaming completion: the client's body, who served it, and the logging of
+        the sample, to run once the client has its answer."""
+        reply, assignment = await self._alongside(call, self._post(call, assignment))
+        now = time.perf_counter()
+        data = orjson.loads(reply.body)
+        record = CompletionRecord(finished_at=now)
+        choices = data.get("choices") or []
+        if choices:
+            record.add_choice(choices[0], message_key="message", now=now)
+        record.prompt_token_ids = data.get("prompt_token_ids")
+        body = orjson.dumps(self._client_view(call, data))
+        return body, assignment, partial(self._log_completion, call, assignment, record)
+
+    async def _post(
+        self, call: ChatCall, assignment: Assignment
+    ) -> tuple[UpstreamReply, Assignment]:
+        try:
+            reply = await self.upstream.post(
+                CHAT_PATH, self.upstream_body(call, assignment.checkpoint)
+            )
+            if reply.status == 404 and self._can_fall_back(assignment):
+                assignment = self._fallback(assignment)
+                reply = await self.upstream.post(
+                    CHAT_PATH, self.upstream_body(call, assignment.checkpoint)
+                )
+        except UpstreamUnavailable as exc:
+            raise self._unavailable(exc) from exc
+        except BROKEN as exc:
+            self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
+            raise ApiError(502, "The model server failed mid-request.", type="api_error") from exc
+        if reply.status != 200:
+            self._refused(call, assignment, reply.status, reply.body)
+        return reply, assignment
+
+    async def open_stream(
+        self, call: ChatCall, assignment: Assignment
+    ) -> tuple[AsyncIterator[bytes], Assignment]:
+        """Start a streaming completion; errors before the first byte answer as JSON."""
+        stack = AsyncExitStack()
+        try:
+            response, assignment = await self._alongside(call, self._open(call, assignment, stack))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stack.aclose()
+            raise
+        return self._relay(call, assignment, response, stack), assignment
+
+    async def _open(
+        self, call: ChatCall, assignment: Assignment, stack: AsyncExitStack
+    ) -> tuple[UpstreamStream, Assignment]:
+        try:
+            response = await stack.enter_async_context(
+                self.upstream.stream(CHAT_PATH, self.upstream_body(call, assignment.checkpoint))
+            )
+            if response.status == 404 and self._can_fall_back(assignment):
+                await stack.aclose()
+                assignment = self._fallback(assignment)
+                response = await stack.enter_async_context(
+                    self.upstream.stream(CHAT_PATH, self.upstream_body(call, assignment.checkpoint))
+                )
+            if response.status != 200:
+                self._refused(call, assignment, response.status, await response.read())
+        except UpstreamUnavailable as exc:
+            raise self._unavailable(exc) from exc
+        except BROKEN as exc:
+            self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
+            raise ApiError(502, "The model server failed mid-request.", type="api_error") from exc
+        return response, assignment
+
+    async def _relay(
+        self,
+        call: ChatCall,
+        assignment: Assignment,
+        response: UpstreamStream,
+        stack: AsyncExitStack,
+    ) -> AsyncIterator[bytes]:
+        record = CompletionRecord()
+        try:
+            async for line in response.lines():
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    yield b"data: [DONE]\n\n"
+                    continue
+                chunk = orjson.loads(payload)
+                now = time.perf_counter()
+                if "error" in chunk:
+                    record.error = str(chunk["error"].get("message", chunk["error"]))[:2000]
+                if chunk.get("prompt_token_ids") is not None:
+                    record.prompt_token_ids = chunk["prompt_token_ids"]
+                for choice in chunk.get("choices") or []:
+                    if choice.get("index", 0) == 0:
+                        record.add_choice(choice, message_key="delta", now=now)
+                yield b"data: " + orjson.dumps(self._client_view(call, chunk)) + b"\n\n"
+        except BROKEN as exc:
+            record.error = f"stream broken: {type(exc).__name__}: {exc}"[:2000]
+            self.upstream.failed_midway(response.replica, exc)
+            error = {"message": "The model server failed mid-stream.", "type": "api_error"}
+            yield b"data: " + orjson.dumps({"error": error | {"param": None, "code": None}})
+            yield b"\n\n"
+        finally:
+            record.finished_at = time.perf_counter()
+            if record.finish_reason is None and record.error is None:
+                record.finish_reason = "cancelled"
+            self._log_completion(call, assignment, record)
+            # The client may have gone: close the upstream even inside a cancelled scope.
+            with anyio.CancelScope(shield=True):
+                await stack.aclose()
+
+    def _client_view(self, call: ChatCall, data: dict[str, Any]) -> dict[str, Any]:
+        """Hide the token ids and logprobs the gateway asked for but the client did not."""
+        if not call.wants_token_ids:
+            for name in _TOKEN_ID_FIELDS:
+                data.pop(name, None)
+        for choice in data.get("choices") or []:
+            if not call.wants_token_ids:
+                choice.pop("token_ids", None)
+            if not call.wants_logprobs:
+                choice["logprobs"] = None
+        return data
+
+    def _can_fall_back(self, assignment: Assignment) -> bool:
+        return assignment.checkpoint != self.routing.table.production
+
+    def _fallback(self, assignment: Assignment) -> Assignment:
+        # The arm's checkpoint vanished between two reads of the served models.
+        self.upstream.forget_served_models()
+        FALLBACKS.labels(assignment.checkpoint).inc()
+        return Assignment(
+            self.routing.table.production,
+            assignment.experiment_id,
+            assignment.arm,
+            fallback=True,
+            unserved=assignment.checkpoint,
+        )
+
+    def _unavailable(self, exc: UpstreamUnavailable) -> Unserved:
+        UPSTREAM_UNAVAILABLE.inc()
+        return Unserved(
+            503,
+            f"The model is unavailable: {exc}. Retry shortly.",
+            type="service_unavailable",
+            code="upstream_unavailable",
+            headers={"Retry-After": "1"},
+        )
+
+    def _refused(self, call: ChatCall, assignment: Assignment, status: int, content: bytes) -> None:
+        message, param = _upstream_error(content)
+        if status == 404:
+            raise Unserved(
+                503,
+                f"Checkpoint {assignment.checkpoint} is not being served. Retry shortly.",
+                type="service_unavailable",
+                code="checkpoint_unavailable",
+            )
+        if status < 500:
+            # The request was at fault, not the policy: nothing to learn from, nothing logged.
+            raise Unserved(status, message, param=param)
+        self._log_failure(call, assignment, f"upstream {status}: {message}")
+        raise ApiError(502, f"The model server failed: {message}", type="api_error")
+
+    def _log_failure(self, call: ChatCall, assignment: Assignment, error: str) -> None:
+        record = CompletionRecord(error=error[:2000], finished_at=time.perf_counter())
+        self._log_completion(call, assignment, record)
+
+    def _log_completion(
+        self, call: ChatCall, assignment: Assignment, record: CompletionRecord
+    ) -> None:
+        try:
+            event = completion_event(call, assignment, record)
+        except ValueError:
+            log.exception("completion event for %s is invalid; not logged", call.request_id)
+            return
+        status = event.status
+        COMPLETIONS.labels(assignment.checkpoint, status).inc()
+        COMPLETION_LATENCY.labels(assignment.checkpoint).observe(event.latency_ms / 1000)
+        if status == "ok":
+            TTFT.labels(assignment.checkpoint).observe(event.ttft_ms / 1000)
+        self.sink.publish(COMPLETIONS_TOPIC, call.session_id, event)
+
+
+def completion_event(
+    call: ChatCall, assignment: Assignment, record: CompletionRecord
+) -> CompletionEvent:
+    """The `rtrl.completions.v1` event of one served request; no content in privacy mode."""
+    finished = record.finished_at or time.perf_counter()
+    latency_ms = (finished - call.started) * 1000
+    first = record.first_token_at or finished
+    text = record.text
+    check = (
+        ToolSchemas(call.request.tools).check(list(record.tool_calls.values()))
+        if record.tool_calls
+        else ToolCallCheck(0, 0, 0)
+    )
+    tokens: list[int] | None = record.completion_token_ids
+    logprobs: list[float] | None = record.logprobs
+    if record.error is not None or len(record.completion_token_ids) != len(record.logprobs):
+        if record.error is None:
+            log.warning(
+                "request %s: %d tokens but %d logprobs; not trainable",
+                call.request_id,
+                len(record.completion_token_ids),
+                len(record.logprobs),
+            )
+        tokens = logprobs = None
+    content = not call.privacy
+    return CompletionEvent(
+        session_id=call.session_id,
+        request_id=call.request_id,
+        occurred_at=call.received_at,
+        checkpoint=assignment.checkpoint,
+        experiment_id=assignment.experiment_id,
+        arm=assignment.arm,
+        fallback=assignment.fallback,
+        user_hash=call.user_hash,
+        api_key_id=call.api_key_id,
+        privacy=call.privacy,
+        edit_requested=call.edit_requested,
+        prompt_messages=call.request.messages if content else None,
+        prompt_token_ids=record.prompt_token_ids if content else None,
+        completion_token_ids=tokens if content else None,
+        behaviour_logprobs=logprobs if content else None,
+        completion_text=text if content else None,
+        finish_reason=record.finish_reason,
+        status="error" if record.error is not None else "ok",
+        error=record.error,
+        ttft_ms=max((first - call.started) * 1000, 0.0),
+        latency_ms=max(latency_ms, 0.0),
+        tool_calls=check.calls,
+        malformed_tool_calls=check.malformed,
+        proposed_edit=proposes_edit(text, check),
+        completion_chars=len(text),
+        clarifying_question=asks_clarifying_question(text, check),
+    )
+
+
+def _upstream_error(content: bytes) -> tuple[str, str | None]:
+    try:
+        error = orjson.loads(content)["error"]
+        return str(error.get("message") or "upstream error"), error.get("param")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return content.decode(errors="replace")[:500] or "upstream error", None

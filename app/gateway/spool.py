@@ -1,0 +1,560 @@
+"""The event sink: Kafka when it answers, a durable on-disk spool when it does not.
+
+`EventSink.publish` never blocks on Kafka: it appends to a bounded in-memory queue that a
+background thread drains into an idempotent kafka-python producer (acks=all). A message is
+spooled only when its send failed — never one the broker acknowledged — and everything
+spooled is replayed in order before anything newer is sent. The spool is a directory of
+append-only JSON-lines segments, fsynced per batch, with a cursor file saying how far the
+replay got, so a restarted gateway replays what its spool still holds.
+
+A send that timed out after the broker had in fact appended it is indistinguishable from
+one that never arrived; it is spooled and sent again, so consumers dedupe by `event_id`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+from pydantic import BaseModel
+
+from app.events import encode
+from app.gateway.metrics import EVENTS_DROPPED, EVENTS_PUBLISHED, EVENTS_SPOOLED, SPOOL_DEPTH
+
+log = logging.getLogger(__name__)
+
+BATCH_EVENTS = 500
+BATCH_WINDOW_S = 0.2
+"""How long the first queued event waits for others: each Kafka round trip costs
+kafka-python milliseconds of CPU (and the GIL), so events go in batches, not one by one."""
+SEGMENT_BYTES = 16 * 1024 * 1024
+PROBE_INTERVAL_S = 1.0
+CURSOR_FILE = "cursor.json"
+LOCK_FILE = "spool.lock"
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One Kafka message: topic, key (the session id) and the encoded event."""
+
+    topic: str
+    key: str
+    value: bytes
+
+    def line(self) -> bytes:
+        # The value as a string, so that a replay sends exactly the bytes that were queued.
+        return orjson.dumps({"topic": self.topic, "key": self.key, "value": self.value.decode()})
+
+    @classmethod
+    def from_line(cls, line: bytes) -> Envelope:
+        entry = orjson.loads(line)
+        return cls(entry["topic"], entry["key"], entry["value"].encode())
+
+
+@dataclass(frozen=True, slots=True)
+class SpooledEnvelope:
+    envelope: Envelope
+    segment: int
+    start: int
+    end: int
+
+
+@dataclass
+class Cursor:
+    """Replay progress: the head segment, the offset before which all is delivered, and
+    the starts of later lines already delivered (a batch that partly failed)."""
+
+    segment: int = 0
+    offset: int = 0
+    delivered: set[int] = field(default_factory=set)
+
+
+class SpoolLocked(RuntimeError):
+    """Another process (or sink) already owns this spool directory."""
+
+
+class DiskSpool:
+    """A durable FIFO of envelopes: append-only segment files and a replay cursor."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(directory / LOCK_FILE, "a+b")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise SpoolLocked(f"spool {directory} is in use by another gateway") from None
+        self._mutex = threading.Lock()
+        self._tail: IO[bytes] | None = None
+        self._unsynced = False
+        self._segments = sorted(self._segment_numbers())
+        self._cursor = self._load_cursor()
+        for number in [n for n in self._segments if n < self._cursor.segment]:
+            self._remove_segment(number)
+        if self._segments and self._segments[0] > self._cursor.segment:
+            self._cursor = Cursor(segment=self._segments[0])
+        if self._segments:
+            _truncate_partial_line(self._path(self._segments[-1]))
+        self.pending = self._count_pending()
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._tail is not None:
+                self._sync_tail()
+                self._tail.close()
+                self._tail = None
+        self._lock_file.close()
+
+    def append(self, envelopes: Sequence[Envelope], *, sync: bool = True) -> None:
+        """Append in order; with `sync`, fsync before returning."""
+        if not envelopes:
+            return
+        data = b"".join(envelope.line() + b"\n" for envelope in envelopes)
+        with self._mutex:
+            tail = self._open_tail()
+            tail.write(data)
+            tail.flush()
+            self._unsynced = True
+            if sync:
+                self._sync_tail()
+            self.pending += len(envelopes)
+            if tail.tell() >= SEGMENT_BYTES:
+                self._close_tail()
+        for envelope in envelopes:
+            EVENTS_SPOOLED.labels(envelope.topic).inc()
+
+    def sync(self) -> None:
+        """Make earlier unsynced appends durable."""
+        with self._mutex:
+            self._sync_tail()
+
+    def read(self, limit: int) -> list[SpooledEnvelope]:
+        """Up to `limit` undelivered envelopes from the head segment, oldest first."""
+        with self._mutex:
+            while self._segments:
+                head = self._segments[0]
+                batch = self._read_segment(head, limit)
+                if batch or head == self._tail_number():
+                    return batch
+                # A finished segment that is no longer written to: move past it.
+                self._advance_to_next_segment()
+            return []
+
+    def acknowledge(self, batch: Sequence[SpooledEnvelope], delivered: Sequence[bool]) -> None:
+        """Record which of a `read` batch Kafka acknowledged, durably, before the next read."""
+        with self._mutex:
+            cursor = self._cursor
+            in_prefix = True
+            for item, ok in zip(batch, delivered, strict=True):
+                if ok and in_prefix:
+                    cursor.offset = item.end
+                elif ok:
+                    cursor.delivered.add(item.start)
+                else:
+                    in_prefix = False
+            cursor.delivered = {start for start in cursor.delivered if start >= cursor.offset}
+            self.pending -= sum(delivered)
+            head = self._segments[0] if self._segments else None
+            if (
+                head is not None
+                and head != self._tail_number()
+                and cursor.offset >= self._path(head).stat().st_size
+            ):
+                self._advance_to_next_segment()
+            elif head is not None and self.pending == 0 and head == self._tail_number():
+                # Everything written so far is delivered: start the next one afresh.
+                self._close_tail()
+                self._advance_to_next_segment()
+            else:
+                self._save_cursor()
+
+    # -- internals; callers hold self._mutex --------------------------------------------
+
+    def _path(self, number: int) -> Path:
+        return self.directory / f"segment-{number:012d}.jsonl"
+
+    def _segment_numbers(self) -> list[int]:
+        return [
+            int(path.stem.removeprefix("segment-"))
+            for path in self.directory.glob("segment-*.jsonl")
+        ]
+
+    def _tail_number(self) -> int | None:
+        return self._segments[-1] if self._tail is not None else None
+
+    def _open_tail(self) -> IO[bytes]:
+        if self._tail is None:
+            last = self._segments[-1] if self._segments else None
+            if last is None or self._path(last).stat().st_size >= SEGMENT_BYTES:
+                # Numbers only grow, so the cursor never points into a newer file by mistake.
+                newest = max(-1 if last is None else last, self._cursor.segment - 1)
+                self._segments.append(newest + 1)
+            self._tail = open(self._path(self._segments[-1]), "ab")  # noqa: SIM115
+            _fsync_directory(self.directory)
+        return self._tail
+
+    def _close_tail(self) -> None:
+        if self._tail is not None:
+            self._sync_tail()
+            self._tail.close()
+            self._tail = None
+
+    def _sync_tail(self) -> None:
+        if self._tail is not None and self._unsynced:
+            os.fsync(self._tail.fileno())
+            self._unsynced = False
+
+    def _read_segment(self, number: int, limit: int) -> list[SpooledEnvelope]:
+        start_offset = self._cursor.offset if number == self._cursor.segment else 0
+        batch: list[SpooledEnvelope] = []
+        with open(self._path(number), "rb") as segment:
+            segment.seek(start_offset)
+            position = start_offset
+            while len(batch) < limit:
+                line = segment.readline()
+                if not line.endswith(b"\n"):
+                    break
+                start, position = position, position + len(line)
+                if start in self._cursor.delivered:
+                    continue
+                try:
+                    envelope = Envelope.from_line(line)
+                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    log.error("dropping an unreadable spool line in %s at %d", segment.name, start)
+                    self._cursor.delivered.add(start)
+                    self.pending -= 1
+                    continue
+                batch.append(SpooledEnvelope(envelope, number, start, position))
+        return batch
+
+    def _advance_to_next_segment(self) -> None:
+        head = self._segments.pop(0)
+        self._cursor = Cursor(segment=self._segments[0] if self._segments else head + 1)
+        self._save_cursor()
+        self._remove_segment(head)
+
+    def _remove_segment(self, number: int) -> None:
+        self._path(number).unlink(missing_ok=True)
+        if number in self._segments:
+            self._segments.remove(number)
+
+    def _load_cursor(self) -> Cursor:
+        try:
+            raw = orjson.loads((self.directory / CURSOR_FILE).read_bytes())
+            return Cursor(int(raw["segment"]), int(raw["offset"]), set(raw["delivered"]))
+        except FileNotFoundError:
+            return Cursor(segment=self._segments[0] if self._segments else 0)
+
+    def _save_cursor(self) -> None:
+        cursor = self._cursor
+        staging = self.directory / f".{CURSOR_FILE}.tmp"
+        with open(staging, "wb") as file:
+            file.write(
+                orjson.dumps(
+                    {
+                        "segment": cursor.segment,
+                        "offset": cursor.offset,
+                        "delivered": sorted(cursor.delivered),
+                    }
+                )
+            )
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(staging, self.directory / CURSOR_FILE)
+
+    def _count_pending(self) -> int:
+        pending = 0
+        for number in self._segments:
+            start = self._cursor.offset if number == self._cursor.segment else 0
+            with open(self._path(number), "rb") as segment:
+                segment.seek(start)
+                position = start
+                for line in segment:
+                    if position not in self._cursor.delivered:
+                        pending += 1
+                    position += len(line)
+        return pending
+
+
+def _truncate_partial_line(path: Path) -> None:
+    # A crash mid-append can leave half a line; it was never acknowledged to anyone.
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as file:
+            file.truncate(data.rfind(b"\n") + 1)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class EventSink:
+    """Publishes events to Kafka from a background thread, spooling to disk what fails."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        spool_dir: Path,
+        *,
+        memory_events: int = 10_000,
+        delivery_timeout_ms: int = 8_000,
+        producer_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.memory_events = memory_events
+        self.disk = DiskSpool(spool_dir)
+        self._delivery_timeout_s = delivery_timeout_ms / 1000
+        self._producer_options = {
+            "bootstrap_servers": bootstrap_servers.split(","),
+            "client_id": "rtrl-gateway",
+            "enable_idempotence": True,
+            "acks": "all",
+            "compression_type": "gzip",
+            "linger_ms": 5,
+            "metrics_enabled": False,
+            "max_block_ms": 2_000,
+            "request_timeout_ms": min(5_000, delivery_timeout_ms - 1_000),
+            "delivery_timeout_ms": delivery_timeout_ms,
+            "bootstrap_timeout_ms": 3_000,
+            **(producer_options or {}),
+        }
+        self._queue: deque[Envelope] = deque()
+        self._wakeup = threading.Condition()
+        self._closing = False
+        self._producer: KafkaProducer | None = None
+        self._broker_down = False
+        self._next_probe = 0.0
+        self._thread = threading.Thread(target=self._run, name="rtrl-event-sink", daemon=True)
+        SPOOL_DEPTH.labels("memory").set_function(lambda: len(self._queue))
+        SPOOL_DEPTH.labels("disk").set_function(lambda: self.disk.pending)
+
+    def start(self) -> None:
+        """Connect and start draining, spooled events first; Kafka may be down."""
+        self._thread.start()
+
+    @property
+    def kafka_connected(self) -> bool:
+        """Whether the last send reached Kafka."""
+        return self._producer is not None and not self._broker_down
+
+    @property
+    def depth(self) -> dict[str, int]:
+        """Events waiting: in memory and on disk."""
+        return {"memory": len(self._queue), "disk": self.disk.pending}
+
+    def publish(self, topic: str, key: str, event: BaseModel) -> None:
+        """Queue an event for Kafka; never blocks on the broker."""
+        self.publish_encoded(Envelope(topic, key, encode(event)))
+
+    def publish_encoded(self, envelope: Envelope) -> None:
+        """Queue an already encoded event; spills the queue to disk when it is full."""
+        with self._wakeup:
+            if len(self._queue) < self.memory_events and not self._closing:
+                self._queue.append(envelope)
+                # Wake the drain thread only to start or fill a batch: each wake costs GIL.
+                if len(self._queue) == 1 or len(self._queue) == BATCH_EVENTS:
+                    self._wakeup.notify()
+                return
+            # Full (or closing): move the queue behind the spool, in order, without waiting
+            # on fsync here; the drain thread, or close(), syncs.
+            spilled = [*self._queue, envelope]
+            self._queue.clear()
+            try:
+                self.disk.append(spilled, sync=False)
+            except OSError:
+                # Neither memory nor disk can take more; the oldest events go first.
+                log.exception("event spool unwritable; dropping %d events", len(spilled))
+                EVENTS_DROPPED.inc(len(spilled))
+            self._wakeup.notify()
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        """Deliver or spool what is queued, then stop; the spool keeps the rest."""
+        with self._wakeup:
+            self._closing = True
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("event sink did not stop within %.0f s", timeout_s)
+            return
+        self._close_producer(timeout_s=2.0)
+        with self._wakeup:
+            # Published while closing, after the drain thread's last round.
+            self._spool(list(self._queue))
+            self._queue.clear()
+        self.disk.close()
+
+    # -- the drain thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._connect()
+        while True:
+            with self._wakeup:
+                if not self._queue and not self._closing and self._idle():
+                    self._wakeup.wait(timeout=self._idle_wait())
+                deadline = time.monotonic() + BATCH_WINDOW_S
+                while 0 < len(self._queue) < BATCH_EVENTS and not self._closing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wakeup.wait(timeout=left)
+                closing = self._closing
+                batch = [self._queue.popleft() for _ in range(min(BATCH_EVENTS, len(self._queue)))]
+            try:
+                if closing:
+                    self._finish(batch)
+                    return
+                self._drain(batch)
+            except Exception:
+                # Only a bug or a broken disk lands here; whatever was spooled stays spooled.
+                log.exception("event sink round failed")
+                self._mark_down()
+
+    def _idle(self) -> bool:
+        return self.disk.pending == 0 or (self._broker_down and time.monotonic() < self._next_probe)
+
+    def _idle_wait(self) -> float:
+        if self.disk.pending and self._broker_down:
+            return max(self._next_probe - time.monotonic(), 0.01)
+        return 1.0
+
+    def _drain(self, batch: list[Envelope]) -> None:
+        self.disk.sync()
+        if self.disk.pending or self._broker_down:
+            # Newer events wait behind the spool, so Kafka sees them in order.
+            self._spool(batch)
+            if self._broker_down and not self._probe():
+                return
+            self._replay()
+        elif batch:
+            self._deliver(batch)
+
+    def _deliver(self, batch: list[Envelope]) -> None:
+        outcome = self._send(batch)
+        failed = [envelope for envelope, ok in zip(batch, outcome, strict=True) if not ok]
+        if failed:
+            self._mark_down()
+            self._spool(failed)
+
+    def _spool(self, envelopes: list[Envelope]) -> None:
+        """Write to disk; if the disk refuses, keep them in memory, first in line."""
+        try:
+            self.disk.append(envelopes)
+        except OSError:
+            log.exception("event spool unwritable; keeping %d events in memory", len(envelopes))
+            with self._wakeup:
+                self._queue.extendleft(reversed(envelopes))
+            time.sleep(PROBE_INTERVAL_S)
+
+    def _replay(self) -> None:
+        spooled = self.disk.read(BATCH_EVENTS)
+        if not spooled:
+            return
+        outcome = self._send([item.envelope for item in spooled])
+        self.disk.acknowledge(spooled, outcome)
+        if not all(outcome):
+            self._mark_down()
+        elif self.disk.pending == 0:
+            log.info("event spool replayed; sending directly again")
+
+    def _finish(self, batch: list[Envelope]) -> None:
+        with self._wakeup:
+            batch += list(self._queue)
+            self._queue.clear()
+        if batch and not self._broker_down and not self.disk.pending:
+            self._deliver(batch)
+        else:
+            self._spool(batch)
+        self.disk.sync()
+
+    def _send(self, batch: Sequence[Envelope]) -> list[bool]:
+        """Send and wait for every answer; True where Kafka acknowledged the message."""
+        producer = self._producer or self._connect()
+        if producer is None:
+            return [False] * len(batch)
+        futures = []
+        for envelope in batch:
+            try:
+                futures.append(
+                    producer.send(envelope.topic, value=envelope.value, key=envelope.key.encode())
+                )
+            except Exception as exc:
+                # Not queued (no metadata, buffer full): a definite failure, as is the rest.
+                log.warning("Kafka refused a send (%s); spooling", exc)
+                break
+        with contextlib.suppress(Exception):
+            producer.flush(timeout=self._delivery_timeout_s + 5)
+        outcome = []
+        for future in futures:
+            while not future.is_done:
+                # Unanswered is not failed: it may still be acknowledged, so wait it out.
+                with contextlib.suppress(Exception):
+                    future.get(timeout=1.0)
+            outcome.append(future.succeeded())
+        for envelope, ok in zip(batch, outcome, strict=False):
+            if ok:
+                EVENTS_PUBLISHED.labels(envelope.topic).inc()
+        return outcome + [False] * (len(batch) - len(outcome))
+
+    def _connect(self) -> KafkaProducer | None:
+        try:
+            self._producer = KafkaProducer(**self._producer_options)
+        except (KafkaError, OSError) as exc:
+            log.warning("Kafka unreachable at %s (%s); spooling", self.bootstrap_servers, exc)
+            self._mark_down()
+            return None
+        if self._broker_down:
+            log.info("Kafka is back at %s; replaying the spool", self.bootstrap_servers)
+        self._broker_down = False
+        return self._producer
+
+    def _probe(self) -> bool:
+        """Whether Kafka answers again; checked at most once per PROBE_INTERVAL_S."""
+        if time.monotonic() < self._next_probe:
+            return False
+        self._next_probe = time.monotonic() + PROBE_INTERVAL_S
+        if not any(_port_open(server) for server in self.bootstrap_servers.split(",")):
+            return False
+        return self._connect() is not None
+
+    def _mark_down(self) -> None:
+        if not self._broker_down:
+            log.warning("Kafka unavailable; spooling events to %s", self.disk.directory)
+        self._broker_down = True
+        self._next_probe = time.monotonic() + PROBE_INTERVAL_S
+        # A fresh producer after an outage: a restarted broker may not know the old
+        # producer id, and every future of this one has completed.
+        self._close_producer(timeout_s=0.0)
+
+    def _close_producer(self, timeout_s: float) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.close(timeout=timeout_s)
+
+
+def _port_open(server: str, timeout_s: float = 0.5) -> bool:
+    host, _, port = server.strip().rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,120 @@
+"""What a completion did: tool calls checked against the declared schemas, edits, questions."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from jsonschema import Draft202012Validator, SchemaError
+from jsonschema.protocols import Validator
+from jsonschema.validators import validator_for
+
+from app.gateway.schemas import ToolSpec
+
+# Tool names that write to the user's files, as IDE agents name them.
+_EDIT_TOOL = re.compile(
+    r"(edit|write|patch|replace|insert|apply|create_file|update_file|modify|rename|delete_file)",
+    re.IGNORECASE,
+)
+_CODE_FENCE = re.compile(r"^\s*(```|~~~)", re.MULTILINE)
+_EDIT_REQUEST = re.compile(
+    r"\b(fix|change|refactor|rename|add|implement|write|update|edit|replace|remove|delete|"
+    r"convert|rewrite|modify|move|extract|make it|make the|optimi[sz]e|port|migrate|create)\b",
+    re.IGNORECASE,
+)
+_QUESTION_END = ("?", "？")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallCheck:
+    calls: int
+    malformed: int
+    edits: int
+    """Calls whose tool name says it writes to files."""
+
+
+class ToolSchemas:
+    """The request's declared tools, with a compiled validator for each one's parameters."""
+
+    def __init__(self, tools: Sequence[ToolSpec] | None) -> None:
+        self._validators: dict[str, Validator | None] = {}
+        for tool in tools or ():
+            self._validators[tool.function.name] = _compile(tool.function.parameters)
+
+    def check(self, tool_calls: Sequence[dict[str, Any]]) -> ToolCallCheck:
+        """Count the calls, the malformed ones (unknown tool, bad JSON, schema violation)
+        and the edit-like ones."""
+        malformed = edits = 0
+        for call in tool_calls:
+            function = call.get("function") or {}
+            name = function.get("name")
+            if _EDIT_TOOL.search(str(name or "")):
+                edits += 1
+            if not self._valid(name, function.get("arguments")):
+                malformed += 1
+        return ToolCallCheck(calls=len(tool_calls), malformed=malformed, edits=edits)
+
+    def _valid(self, name: object, arguments: object) -> bool:
+        if not isinstance(name, str) or name not in self._validators:
+            return False
+        try:
+            parsed = orjson.loads(arguments) if isinstance(arguments, str | bytes) else arguments
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(parsed, dict):
+            return False
+        validator = self._validators[name]
+        return validator is None or validator.is_valid(parsed)
+
+
+def _compile(parameters: dict[str, Any] | None) -> Validator | None:
+    if not parameters:
+        return None
+    cls = validator_for(parameters, default=Draft202012Validator)
+    try:
+        cls.check_schema(parameters)
+    except SchemaError:
+        # The client's schema is broken, not the model's call: only JSON-ness is checked.
+        return None
+    validator: Validator = cls(parameters)
+    return validator
+
+
+def has_code_block(text: str) -> bool:
+    """Whether the text contains a fenced code block."""
+    return _CODE_FENCE.search(text) is not None
+
+
+def proposes_edit(text: str, check: ToolCallCheck) -> bool:
+    """A fenced code block or an edit-like tool call."""
+    return check.edits > 0 or has_code_block(text)
+
+
+def asks_clarifying_question(text: str, check: ToolCallCheck) -> bool:
+    """No code and no tool calls, and the answer ends with a question."""
+    return check.calls == 0 and not has_code_block(text) and text.rstrip().endswith(_QUESTION_END)
+
+
+def looks_like_edit_request(messages: Sequence[dict[str, Any]]) -> bool:
+    """Heuristic: the last user message uses a verb that asks for a change to code."""
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            return _EDIT_REQUEST.search(message_text(message)) is not None
+    return False
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """The text of a chat message, whether its content is a string or a list of parts."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            str(part.get("text", ""))
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+        )
+    return ""

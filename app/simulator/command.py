@@ -1,0 +1,75 @@
+"""`rtrl simulate`: synthetic developers using the gateway as an IDE plugin would."""
+
+from __future__ import annotations
+
+import typer
+
+from app.config import get_settings
+from app.simulator.report import SimulationReport
+from app.simulator.run import simulate
+from app.tasks import Split
+
+SPLITS: tuple[Split, ...] = ("train", "heldout", "all")
+
+
+def simulate_command(
+    gateway: str | None = typer.Option(
+        None, "--gateway", help="Gateway base URL (default: RTRL_GATEWAY_HOST:PORT)."
+    ),
+    api_key: str = typer.Option(
+        ..., "--api-key", envvar="RTRL_SIMULATOR_API_KEY", help="An `ide` API key."
+    ),
+    users: int = typer.Option(10, "--users", min=1, help="Developers in the population."),
+    sessions: int | None = typer.Option(
+        None,
+        "--sessions",
+        min=1,
+        help="Sessions per developer (default 1, or unbounded with --duration).",
+    ),
+    tasks: int = typer.Option(5, "--tasks", min=1, help="Coding tasks per session."),
+    duration: float | None = typer.Option(
+        None, "--duration", min=0.001, help="Seconds during which sessions start and go on."
+    ),
+    rate: float | None = typer.Option(
+        None, "--rate", min=0.001, help="Most sessions started per second, all developers together."
+    ),
+    time_scale: float = typer.Option(
+        1.0,
+        "--time-scale",
+        min=0.0,
+        help="Multiplies waits: 0.01 sends the 15-min survival report after 9 s.",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the population and their tasks."),
+    split: str = typer.Option("train", "--split", help="Task split: train, heldout or all."),
+    concurrency: int = typer.Option(8, "--concurrency", min=1, help="Most requests in flight."),
+) -> None:
+    """Run synthetic developers against the gateway and print what each checkpoint earned."""
+    if split not in SPLITS:
+        raise typer.BadParameter("must be train, heldout or all", param_hint="--split")
+    settings = get_settings()
+    url = gateway or f"http://{settings.gateway_host}:{settings.gateway_port}"
+    typer.echo(f"simulating {users} developers against {url} ...")
+
+    def progress(report: SimulationReport) -> None:
+        typer.echo(
+            f"  {report.sessions_ended} sessions ended, {report.requests_ok}/"
+            f"{report.requests_sent} requests answered"
+        )
+
+    report = simulate(
+        url,
+        api_key,
+        users=users,
+        sessions_per_user=sessions,
+        duration_s=duration,
+        rate=rate,
+        tasks_per_session=tasks,
+        time_scale=time_scale,
+        seed=seed,
+        split=split,
+        concurrency=concurrency,
+        progress=progress,
+    )
+    typer.echo(report.summary())
+    if report.requests_sent and not report.requests_ok:
+        raise typer.Exit(code=1)

@@ -1,0 +1,117 @@
+"""The books of a simulation: what was sent, what was served, by which checkpoint."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServedRequest:
+    """One completion the gateway served, and what the developer made of it."""
+
+    request_id: str
+    session_id: str
+    user_id: str
+    task_id: str
+    checkpoint: str
+    latency_s: float
+    proposed_edit: bool
+    accepted: bool | None
+    """None when the developer abandoned the session before judging the answer."""
+
+
+@dataclass
+class CheckpointStats:
+    """How one checkpoint's answers fared with the simulated developers."""
+
+    requests: int = 0
+    proposed_edits: int = 0
+    accepted_edits: int = 0
+    total_latency_s: float = 0.0
+
+    @property
+    def proposed_edit_rate(self) -> float:
+        """Share of answers that proposed code."""
+        return self.proposed_edits / self.requests if self.requests else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of proposed edits that passed the hidden checks (and so were accepted)."""
+        return self.accepted_edits / self.proposed_edits if self.proposed_edits else 0.0
+
+    @property
+    def kept_rate(self) -> float:
+        """Share of answers accepted: the reward's view, where proposing no code counts 0."""
+        return self.accepted_edits / self.requests if self.requests else 0.0
+
+    @property
+    def mean_latency_s(self) -> float:
+        """Mean time from sending the request to reading the answer."""
+        return self.total_latency_s / self.requests if self.requests else 0.0
+
+
+@dataclass
+class SimulationReport:
+    """Counts of one run; requests_sent = requests_ok + requests_failed, always."""
+
+    requests_sent: int = 0
+    requests_ok: int = 0
+    requests_failed: int = 0
+    retries: int = 0
+    """Waits on a 429 or 503 answer, for its Retry-After, before sending again."""
+    errors: Counter[str] = field(default_factory=Counter)
+    """Failed requests and feedback batches by cause, e.g. `chat:http_500`, `feedback:timeout`."""
+    sessions_started: int = 0
+    sessions_ended: int = 0
+    """Sessions whose `session_end` the gateway accepted."""
+    sessions_abandoned: int = 0
+    """Sessions a developer left because an answer took far longer than their patience."""
+    sessions_cut: int = 0
+    """Sessions still open when the run hit its time limit."""
+    feedback_batches_sent: int = 0
+    feedback_batches_accepted: int = 0
+    feedback_batches_failed: int = 0
+    feedback_events_sent: int = 0
+    feedback_events_accepted: int = 0
+    """Events in batches answered 202 (new and duplicate alike)."""
+    served: list[ServedRequest] = field(default_factory=list)
+    checkpoints: dict[str, CheckpointStats] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def served_request_ids(self) -> list[str]:
+        """Every request id the gateway answered, in the order the answers arrived."""
+        return [served.request_id for served in self.served]
+
+    def record_served(self, served: ServedRequest) -> None:
+        """Count an answered request under the checkpoint that served it."""
+        self.requests_ok += 1
+        self.served.append(served)
+        stats = self.checkpoints.setdefault(served.checkpoint, CheckpointStats())
+        stats.requests += 1
+        stats.proposed_edits += served.proposed_edit
+        stats.accepted_edits += bool(served.accepted)
+        stats.total_latency_s += served.latency_s
+
+    def summary(self) -> str:
+        """A few lines for a terminal."""
+        lines = [
+            f"sessions: {self.sessions_started} started, {self.sessions_ended} ended, "
+            f"{self.sessions_abandoned} abandoned, {self.sessions_cut} cut",
+            f"requests: {self.requests_sent} sent, {self.requests_ok} ok, "
+            f"{self.requests_failed} failed, {self.retries} retries",
+            f"feedback: {self.feedback_batches_accepted}/{self.feedback_batches_sent} batches "
+            f"accepted ({self.feedback_events_accepted}/{self.feedback_events_sent} events)",
+        ]
+        lines += [
+            f"  {name}: {stats.requests} requests, edits proposed {stats.proposed_edit_rate:.0%}, "
+            f"accepted {stats.acceptance_rate:.0%} of edits ({stats.kept_rate:.0%} of answers), "
+            f"mean latency {stats.mean_latency_s * 1000:.0f} ms"
+            for name, stats in sorted(self.checkpoints.items())
+        ]
+        if self.errors:
+            causes = ", ".join(f"{cause} x{n}" for cause, n in self.errors.most_common())
+            lines.append(f"errors: {causes}")
+        lines.append(f"wall time: {self.wall_s:.1f} s")
+        return "\n".join(lines)

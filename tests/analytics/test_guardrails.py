@@ -1,0 +1,101 @@
+"""Guardrails: a harmful canary is rolled back (audited as "guardrails"), a harmless one is
+left alone, and checking as often as we like does not inflate false alarms."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+from sqlalchemy import Engine, select
+
+from app.analytics.guardrails import FAMILY_ALPHA, GUARDRAILS, check_guardrails, confidence_sequence
+from app.db import session_scope
+from app.models import AuditEntry, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
+from tests.analytics.conftest import Behaviour, SeededArm
+
+Seeder = Callable[..., tuple[int, pd.DataFrame]]
+
+
+def test_a_canary_with_more_dissatisfied_users_is_rolled_back(
+    seeder: Seeder, app_engine: Engine
+) -> None:
+    harmful, _ = seeder(
+        [
+            SeededArm("control", "gr-base", 5_000, Behaviour(users=300), is_control=True),
+            SeededArm("canary", "gr-bad", 5_000, Behaviour(users=300, dissatisfied=0.3)),
+        ],
+        seed=31,
+    )
+    harmless, _ = seeder(
+        [
+            SeededArm("control", "gr-base-2", 5_000, Behaviour(users=300), is_control=True),
+            SeededArm("canary", "gr-fine", 5_000, Behaviour(users=300)),
+        ],
+        seed=32,
+    )
+
+    decisions = check_guardrails(app_engine, rollback=True)
+
+    mine = {
+        (d.experiment_id, d.metric): d for d in decisions if d.experiment_id in (harmful, harmless)
+    }
+    assert len(mine) == 2 * len(GUARDRAILS)
+    verdict = mine[(harmful, "dissatisfied_rate")]
+    assert verdict.harmful and verdict.rolled_back
+    assert verdict.ci_low is not None and verdict.ci_high is not None
+    assert 0 < verdict.ci_low < verdict.difference < verdict.ci_high  # type: ignore[operator]
+    assert verdict.alpha == pytest.approx(FAMILY_ALPHA / len(GUARDRAILS))
+    assert not any(d.harmful or d.rolled_back for (e, _), d in mine.items() if e == harmless)
+    with session_scope(app_engine) as session:
+        status = {c.name: c.status for c in session.scalars(select(Checkpoint))}
+        assert status["gr-bad"] == CheckpointStatus.rolled_back
+        assert status["gr-fine"] == CheckpointStatus.canary
+        experiments = {e.id: e.status for e in session.scalars(select(Experiment))}
+        assert experiments[harmful] == ExperimentStatus.stopped
+        assert experiments[harmless] == ExperimentStatus.running
+        entry = session.scalar(select(AuditEntry).where(AuditEntry.target == "checkpoint:gr-bad"))
+        assert entry is not None and entry.actor == "guardrails" and entry.actor_key_id is None
+        assert entry.before == {"checkpoint": {"name": "gr-bad", "status": "canary"}}
+        assert entry.after is not None and "dissatisfied_rate" in entry.after["reason"]
+
+
+def test_the_confidence_sequence_is_where_the_mixture_likelihood_ratio_reaches_one_over_alpha() -> (
+    None
+):
+    difference, variance, tau, alpha = 0.0, 4e-4, 0.02, 0.0125
+    low, high = confidence_sequence(difference, variance, tau, alpha)
+    boundary = high - difference
+    log_ratio = 0.5 * math.log(variance / (variance + tau**2)) + tau**2 * boundary**2 / (
+        2 * variance * (variance + tau**2)
+    )
+    assert log_ratio == pytest.approx(math.log(1 / alpha))
+    assert low == pytest.approx(-high)
+
+
+def test_checking_after_every_batch_keeps_false_alarms_below_alpha() -> None:
+    """Peeking 40 times at an A/A test: the fixed 95% z-interval cries wolf far more than 5%
+    of the time, the always-valid sequence stays under its alpha."""
+    rng = np.random.default_rng(7)
+    runs, batches, batch, rate, alpha, tau = 400, 40, 250, 0.1, 0.05, 0.02
+    naive_alarms = sequential_alarms = 0
+    for _ in range(runs):
+        a = rng.binomial(batch, rate, batches).cumsum()
+        b = rng.binomial(batch, rate, batches).cumsum()
+        n = batch * np.arange(1, batches + 1)
+        pa, pb = a / n, b / n
+        variance = pa * (1 - pa) / n + pb * (1 - pb) / n
+        z = np.abs(pa - pb) / np.sqrt(variance)
+        naive_alarms += bool((z > stats.norm.ppf(0.975)).any())
+        sequential_alarms += any(
+            not (low <= 0 <= high)
+            for low, high in (
+                confidence_sequence(d, v, tau, alpha)
+                for d, v in zip(pa - pb, variance, strict=True)
+            )
+        )
+    assert naive_alarms / runs > 2 * alpha
+    assert sequential_alarms / runs <= alpha

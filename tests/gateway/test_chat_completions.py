@@ -1,0 +1,346 @@
+"""The official `openai` client against the gateway on a real socket, vLLM behind it."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from sqlalchemy import Engine, select
+
+from app.db import session_scope
+from app.events import COMPLETIONS_TOPIC
+from app.models import Checkpoint, CheckpointStatus
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "edit_file",
+            "description": "Replace a file's content.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    }
+]
+# A conversation that already went through one tool call; the session's vLLM has no tool
+# parser, so the model is asked not to call another (tool_choice="none").
+TOOL_HISTORY = [
+    {"role": "user", "content": "Fix the typo in a.py"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "edit_file", "arguments": '{"path": "a.py", "content": "x"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+]
+MESSAGES = [{"role": "user", "content": "Write f(x) that returns x plus 3."}]
+
+
+def production(engine: Engine) -> str:
+    with session_scope(engine) as session:
+        return session.scalar(
+            select(Checkpoint.name).where(Checkpoint.status == CheckpointStatus.production)
+        )
+
+
+def client_for(server: Any, key: str, session: str) -> OpenAI:
+    return OpenAI(
+        api_key=key,
+        base_url=f"{server.url}/v1",
+        default_headers={"X-Session-Id": session},
+        max_retries=0,
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def test_non_streaming_completion_is_answered_and_logged_once(
+    gateway_server: Any, ide_key: str, kafka: Any, registry: Engine
+) -> None:
+    session, request_id = new_id("s"), new_id("r")
+    client = client_for(gateway_server, ide_key, session)
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+
+    raw = client.chat.completions.with_raw_response.create(
+        model="whatever-the-ide-says",
+        messages=MESSAGES,
+        max_tokens=8,
+        extra_headers={"X-Request-Id": request_id},
+    )
+    completion = raw.parse()
+
+    served_by = production(registry)
+    assert completion.model == served_by
+    assert raw.headers["x-request-id"] == request_id
+    assert raw.headers["x-rtrl-checkpoint"] == served_by
+    body = raw.http_response.json()
+    assert body["choices"][0]["logprobs"] is None
+    assert "token_ids" not in body["choices"][0] and "prompt_token_ids" not in body
+
+    events = kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests({request_id}))
+    mine = [event for event in events if event["request_id"] == request_id]
+    assert len(mine) == 1
+    event = mine[0]
+    assert event["_key"] == session and event["session_id"] == session
+    assert event["checkpoint"] == served_by and event["arm"] is None and not event["fallback"]
+    assert event["status"] == "ok" and event["finish_reason"] == "length"
+    assert event["completion_text"] == completion.choices[0].message.content
+    assert len(event["completion_token_ids"]) == completion.usage.completion_tokens == 8
+    assert len(event["behaviour_logprobs"]) == 8
+    assert all(logprob <= 0 for logprob in event["behaviour_logprobs"])
+    assert len(event["prompt_token_ids"]) == completion.usage.prompt_tokens
+    assert event["prompt_messages"] == MESSAGES
+    assert event["edit_requested"] is True
+    assert event["latency_ms"] >= event["ttft_ms"] > 0
+    assert len(event["user_hash"]) == 64
+
+
+def test_streaming_completion_relays_chunks_and_logs_the_whole_answer(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    session, request_id = new_id("s"), new_id("r")
+    client = client_for(gateway_server, ide_key, session)
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+
+    stream = client.chat.completions.create(
+        model="rtrl",
+        messages=MESSAGES,
+        max_tokens=12,
+        stream=True,
+        extra_headers={"X-Request-Id": request_id, "X-Rtrl-Edit-Request": "0"},
+    )
+    chunks = list(stream)
+
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert all(chunk.choices[0].logprobs is None for chunk in chunks if chunk.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    event = next(
+        e
+        for e in kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests({request_id}))
+        if e["request_id"] == request_id
+    )
+    assert event["completion_text"] == text
+    assert len(event["completion_token_ids"]) == len(event["behaviour_logprobs"]) == 12
+    assert event["prompt_token_ids"] and event["edit_requested"] is False
+    assert 0 < event["ttft_ms"] <= event["latency_ms"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tools_and_tool_history_pass_through(
+    gateway_server: Any, ide_key: str, kafka: Any, stream: bool
+) -> None:
+    session, request_id = new_id("s"), new_id("r")
+    client = client_for(gateway_server, ide_key, session)
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+
+    answer = client.chat.completions.create(
+        model="rtrl",
+        messages=TOOL_HISTORY,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=6,
+        stream=stream,
+        extra_headers={"X-Request-Id": request_id},
+    )
+    if stream:
+        assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in answer)
+    else:
+        assert answer.choices[0].finish_reason == "length"
+
+    event = next(
+        e
+        for e in kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests({request_id}))
+        if e["request_id"] == request_id
+    )
+    assert event["tool_calls"] == 0 and event["malformed_tool_calls"] == 0
+    assert event["prompt_messages"][1]["tool_calls"][0]["function"]["name"] == "edit_file"
+
+
+def test_logprobs_reach_the_client_only_when_asked_for(gateway_server: Any, ide_key: str) -> None:
+    client = client_for(gateway_server, ide_key, new_id("s"))
+    completion = client.chat.completions.create(
+        model="rtrl", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and len(logprobs.content) == 4
+    assert all(len(token.top_logprobs) == 2 for token in logprobs.content)
+
+
+def test_a_seeded_request_cannot_take_the_cpu_engine_down(
+    gateway_server: Any, ide_key: str
+) -> None:
+    client = client_for(gateway_server, ide_key, new_id("s"))
+    seeded = client.chat.completions.create(model="rtrl", messages=MESSAGES, max_tokens=4, seed=7)
+    assert seeded.choices[0].message.content is not None
+    after = client.chat.completions.create(model="rtrl", messages=MESSAGES, max_tokens=4)
+    assert after.choices[0].message.content is not None
+
+
+def test_privacy_mode_logs_no_content(gateway_server: Any, ide_key: str, kafka: Any) -> None:
+    request_id = new_id("r")
+    client = client_for(gateway_server, ide_key, new_id("s"))
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+
+    client.chat.completions.create(
+        model="rtrl",
+        messages=MESSAGES,
+        max_tokens=4,
+        extra_headers={"X-Request-Id": request_id, "X-Rtrl-Privacy": "1"},
+    )
+
+    event = next(
+        e
+        for e in kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests({request_id}))
+        if e["request_id"] == request_id
+    )
+    assert event["privacy"] is True
+    for content in (
+        "prompt_messages",
+        "prompt_token_ids",
+        "completion_token_ids",
+        "behaviour_logprobs",
+        "completion_text",
+    ):
+        assert event[content] is None
+    assert event["completion_chars"] > 0
+
+
+def test_models_lists_the_routed_model(gateway_server: Any, ide_key: str) -> None:
+    models = client_for(gateway_server, ide_key, new_id("s")).models.list()
+    assert [model.id for model in models.data] == ["rtrl"]
+
+
+def test_a_reused_request_id_is_refused(gateway_server: Any, ide_key: str) -> None:
+    client = client_for(gateway_server, ide_key, new_id("s"))
+    request_id = new_id("r")
+    ask: dict[str, Any] = {
+        "model": "rtrl",
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "extra_headers": {"X-Request-Id": request_id},
+    }
+    client.chat.completions.create(**ask)
+
+    with pytest.raises(openai.ConflictError) as refused:
+        client.chat.completions.create(**ask)
+    assert refused.value.body["code"] == "duplicate_request_id"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"X-Session-Id": "has space"}, "X-Session-Id"),
+        ({"X-Session-Id": "x" * 129}, "X-Session-Id"),
+        ({"X-Request-Id": "a/b"}, "X-Request-Id"),
+        ({"X-User-Id": "we;ird"}, "X-User-Id"),
+        ({"X-Rtrl-Privacy": "yes"}, "x-rtrl-privacy"),
+    ],
+)
+def test_odd_headers_are_refused(
+    gateway_server: Any, ide_key: str, extra: dict[str, str], param: str
+) -> None:
+    client = client_for(gateway_server, ide_key, new_id("s"))
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="rtrl", messages=MESSAGES, max_tokens=2, extra_headers=extra
+        )
+    assert refused.value.body["param"] == param
+
+
+def test_a_missing_session_header_is_refused(gateway_server: Any, ide_key: str) -> None:
+    client = OpenAI(api_key=ide_key, base_url=f"{gateway_server.url}/v1", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="rtrl", messages=MESSAGES, max_tokens=2)
+    assert refused.value.body["code"] == "missing_header"
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_json"),
+        (b'{"model": "rtrl"}', 400, "invalid_value"),
+        (b'{"messages": [], "model": "rtrl"}', 400, "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "sometimes"}', 400, None),
+    ],
+)
+def test_malformed_bodies_get_an_openai_error(
+    gateway_server: Any, ide_key: str, content: bytes, status: int, code: str | None
+) -> None:
+    response = httpx.post(
+        f"{gateway_server.url}/v1/chat/completions",
+        content=content,
+        headers={"Authorization": f"Bearer {ide_key}", "X-Session-Id": "s-1"},
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    if code:
+        assert error["code"] == code
+
+
+def test_a_request_vllm_refuses_is_relayed_and_its_id_can_be_reused(
+    gateway_server: Any, ide_key: str
+) -> None:
+    client = client_for(gateway_server, ide_key, new_id("s"))
+    request_id = new_id("r")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="rtrl",
+            messages=MESSAGES,
+            max_tokens=100_000,
+            extra_headers={"X-Request-Id": request_id},
+        )
+    assert "max" in refused.value.message.lower()
+
+    retried = client.chat.completions.create(
+        model="rtrl", messages=MESSAGES, max_tokens=2, extra_headers={"X-Request-Id": request_id}
+    )
+    assert retried.choices
+
+
+def test_oversized_bodies_are_refused_with_413(gateway_server: Any, ide_key: str) -> None:
+    limit = gateway_server.settings.max_request_bytes
+    big = {"model": "rtrl", "messages": [{"role": "user", "content": "x" * limit}]}
+    response = httpx.post(
+        f"{gateway_server.url}/v1/chat/completions",
+        json=big,
+        headers={"Authorization": f"Bearer {ide_key}", "X-Session-Id": "s-1"},
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large"
+
+    def chunks() -> Any:
+        # No Content-Length: the limit is enforced as the body streams in.
+        for _ in range(limit // 65536 + 2):
+            yield b" " * 65536
+
+    response = httpx.post(
+        f"{gateway_server.url}/v1/chat/completions",
+        content=chunks(),
+        headers={"Authorization": f"Bearer {ide_key}", "X-Session-Id": "s-1"},
+    )
+    assert response.status_code == 413
+
+
+def test_unknown_routes_answer_in_the_openai_shape(gateway_server: Any) -> None:
+    response = httpx.get(f"{gateway_server.url}/v1/nothing-here")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"

@@ -1,0 +1,103 @@
+"""From vLLM's answer to the logged sample: tool calls, edits, questions, privacy."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from app.gateway.assignment import Assignment
+from app.gateway.schemas import ChatRequest
+from app.gateway.service import ChatCall, CompletionRecord, completion_event
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "edit_file",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    }
+]
+
+
+def call(privacy: bool = False) -> ChatCall:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "fix a.py"}], "tools": TOOLS}
+    return ChatCall(
+        request=ChatRequest.model_validate(body),
+        body=body,
+        session_id="s-1",
+        request_id="r-1",
+        user_hash="u" * 64,
+        api_key_id=uuid.uuid4(),
+        privacy=privacy,
+        edit_requested=True,
+        received_at=datetime.now(UTC),
+        started=time.perf_counter() - 0.05,
+    )
+
+
+def streamed_tool_calls() -> CompletionRecord:
+    """Chunks as vLLM streams two tool calls: ids and names first, arguments in pieces."""
+    record = CompletionRecord()
+    deltas = [
+        {"role": "assistant", "content": ""},
+        {"tool_calls": [{"index": 0, "id": "c0", "function": {"name": "edit_file"}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"path": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"a.py"}'}}]},
+        {"tool_calls": [{"index": 1, "id": "c1", "function": {"name": "edit_file"}}]},
+        {"tool_calls": [{"index": 1, "function": {"arguments": '{"file": 3}'}}]},
+    ]
+    for n, delta in enumerate(deltas):
+        choice = {"index": 0, "delta": delta, "token_ids": [n] if n else []}
+        if n:
+            choice["logprobs"] = {"content": [{"token": "x", "logprob": -0.1 * n}]}
+        record.add_choice(choice, message_key="delta", now=time.perf_counter())
+    record.add_choice(
+        {"index": 0, "delta": {}, "finish_reason": "tool_calls"},
+        message_key="delta",
+        now=time.perf_counter(),
+    )
+    record.prompt_token_ids = [7, 8, 9]
+    record.finished_at = time.perf_counter()
+    return record
+
+
+def test_streamed_tool_calls_are_reassembled_and_checked() -> None:
+    event = completion_event(call(), Assignment("ckpt-2", 3, "canary"), streamed_tool_calls())
+
+    assert (event.tool_calls, event.malformed_tool_calls) == (2, 1)
+    assert event.proposed_edit and not event.clarifying_question
+    assert event.finish_reason == "tool_calls" and event.status == "ok"
+    assert event.completion_token_ids == [1, 2, 3, 4, 5]
+    assert event.behaviour_logprobs is not None and len(event.behaviour_logprobs) == 5
+    assert (event.checkpoint, event.experiment_id, event.arm) == ("ckpt-2", 3, "canary")
+    assert event.latency_ms >= event.ttft_ms >= 50
+
+
+def test_privacy_mode_keeps_the_measurements_but_no_content() -> None:
+    event = completion_event(call(privacy=True), Assignment("ckpt-2"), streamed_tool_calls())
+
+    assert event.privacy and event.tool_calls == 2
+    assert event.prompt_messages is None and event.prompt_token_ids is None
+    assert event.completion_token_ids is None and event.behaviour_logprobs is None
+    assert event.completion_text is None
+
+
+def test_tokens_without_matching_logprobs_are_not_logged_as_trainable() -> None:
+    record = CompletionRecord(completion_token_ids=[1, 2], logprobs=[-0.5])
+    record.add_choice(
+        {"index": 0, "message": {"content": "Which file?"}, "finish_reason": "stop"},
+        message_key="message",
+        now=time.perf_counter(),
+    )
+
+    event = completion_event(call(), Assignment("base"), record)
+
+    assert event.completion_token_ids is None and event.behaviour_logprobs is None
+    assert event.clarifying_question and not event.proposed_edit

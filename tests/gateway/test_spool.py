@@ -1,0 +1,196 @@
+"""The event sink: Kafka when it answers, a durable spool when not, each event exactly once."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+
+from app.embedded.kafka import ensure_topics
+from app.embedded.process import free_port
+from app.embedded.stack import EmbeddedStack
+from app.events import COMPLETIONS_TOPIC
+from app.gateway import spool as spool_module
+from app.gateway.spool import DiskSpool, Envelope, EventSink, SpoolLocked
+
+
+def envelopes(count: int, start: int = 0, topic: str = "t") -> list[Envelope]:
+    return [Envelope(topic, f"s{n % 3}", b'{"n": %d}' % n) for n in range(start, start + count)]
+
+
+def numbers(batch: list[Any]) -> list[int]:
+    return [int(item.envelope.value.split(b":")[1].strip(b" }")) for item in batch]
+
+
+def test_the_disk_spool_replays_in_order_and_survives_a_restart(tmp_path: Path) -> None:
+    spool = DiskSpool(tmp_path)
+    spool.append(envelopes(10))
+    first = spool.read(4)
+    spool.acknowledge(first, [True] * 4)
+    spool.close()
+
+    reopened = DiskSpool(tmp_path)
+    assert reopened.pending == 6
+    assert numbers(reopened.read(100)) == [4, 5, 6, 7, 8, 9]
+
+
+def test_a_partly_failed_replay_resends_only_the_failures(tmp_path: Path) -> None:
+    spool = DiskSpool(tmp_path)
+    spool.append(envelopes(6))
+    batch = spool.read(6)
+    spool.acknowledge(batch, [True, False, True, False, True, True])
+    assert spool.pending == 2
+    assert numbers(spool.read(6)) == [1, 3]
+    spool.close()
+
+    reopened = DiskSpool(tmp_path)
+    retry = reopened.read(6)
+    assert numbers(retry) == [1, 3]
+    reopened.acknowledge(retry, [True, True])
+    assert reopened.pending == 0 and reopened.read(6) == []
+    assert not list(tmp_path.glob("segment-*.jsonl")), "delivered segments are removed"
+
+
+def test_segments_rotate_and_delivered_ones_are_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(spool_module, "SEGMENT_BYTES", 200)
+    spool = DiskSpool(tmp_path)
+    for start in range(0, 40, 4):
+        spool.append(envelopes(4, start))
+    assert len(list(tmp_path.glob("segment-*.jsonl"))) > 3
+
+    replayed: list[int] = []
+    while batch := spool.read(7):
+        replayed += numbers(batch)
+        spool.acknowledge(batch, [True] * len(batch))
+    spool.append(envelopes(1, 40))
+    replayed += numbers(spool.read(7))
+
+    assert replayed == list(range(41))
+    assert len(list(tmp_path.glob("segment-*.jsonl"))) == 1
+
+
+def test_a_torn_last_line_is_dropped_and_the_directory_is_locked(tmp_path: Path) -> None:
+    spool = DiskSpool(tmp_path)
+    spool.append(envelopes(3))
+    with pytest.raises(SpoolLocked):
+        DiskSpool(tmp_path)
+    spool.close()
+    segment = next(tmp_path.glob("segment-*.jsonl"))
+    segment.write_bytes(segment.read_bytes() + b'{"topic": "t", "ke')
+
+    reopened = DiskSpool(tmp_path)
+    assert reopened.pending == 3 and numbers(reopened.read(10)) == [0, 1, 2]
+
+
+def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30) -> list[bytes]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        partition = TopicPartition(topic, 0)
+        consumer.assign([partition])
+        consumer.seek_to_beginning(partition)
+        values: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        while len(values) < expected and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=200).values():
+                values += [record.value for record in records]
+        time.sleep(0.5)
+        for records in consumer.poll(timeout_ms=500).values():
+            values += [record.value for record in records]
+        return values
+    finally:
+        consumer.close()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_restarted_gateway_replays_its_spool_exactly_once_with_bounded_memory(
+    stack: EmbeddedStack, tmp_path: Path
+) -> None:
+    topic = f"test.spool.{uuid.uuid4().hex[:8]}"
+    ensure_topics(stack.kafka.url, {topic: 1})
+    dead_kafka = f"127.0.0.1:{free_port()}"
+    offline = EventSink(dead_kafka, tmp_path, memory_events=100)
+    offline.start()
+    peak_memory = 0
+    for envelope in envelopes(1_000, topic=topic):
+        offline.publish_encoded(envelope)
+        peak_memory = max(peak_memory, offline.depth["memory"])
+    wait_until(lambda: offline.depth["memory"] == 0, 10, "the queue to reach the disk")
+    offline.close()
+    assert peak_memory <= 100
+    assert DiskSpool(tmp_path).pending == 1_000  # and the lock was released
+
+    online = EventSink(stack.kafka.url, tmp_path)
+    online.start()
+    wait_until(lambda: online.depth == {"memory": 0, "disk": 0}, 30, "the spool to replay")
+    for envelope in envelopes(5, start=1_000, topic=topic):
+        online.publish_encoded(envelope)
+    wait_until(lambda: online.depth == {"memory": 0, "disk": 0}, 30, "the new events")
+    online.close()
+
+    values = read_topic(stack.kafka.url, topic, expected=1_005)
+    assert values == [envelope.value for envelope in envelopes(1_005, topic=topic)]
+
+
+def test_events_produced_while_kafka_is_down_arrive_exactly_once(
+    gateway_server: Any, ide_key: str, stack: EmbeddedStack, kafka: Any
+) -> None:
+    sink: EventSink = gateway_server.app.state.sink
+    sent: list[tuple[str, float]] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with httpx.Client(base_url=gateway_server.url, timeout=30) as client:
+            while not stop.is_set():
+                request_id, started = f"r-{uuid.uuid4().hex[:12]}", time.monotonic()
+                response = client.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                    headers={
+                        "Authorization": f"Bearer {ide_key}",
+                        "X-Session-Id": f"s-{len(sent) % 7}",
+                        "X-Request-Id": request_id,
+                    },
+                )
+                if response.status_code != 200:
+                    failures.append(response.text)
+                sent.append((request_id, started))
+                time.sleep(0.02)
+
+    sender = threading.Thread(target=traffic)
+    sender.start()
+    try:
+        time.sleep(1.0)
+        stack.kafka.stop()
+        stopped_at = time.monotonic()
+        wait_until(lambda: sink.depth["disk"] > 0, 30, "events to be spooled to disk")
+        time.sleep(1.0)
+        stack.kafka.start()  # memory storage: an empty broker, topics re-created
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        sender.join()
+
+    assert not failures, failures[:3]
+    wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 60, "the spool to drain")
+    after_stop = {request_id for request_id, started in sent if started > stopped_at}
+    assert len(after_stop) > 10
+    events = kafka.read(COMPLETIONS_TOPIC, until=kafka.for_requests(after_stop), timeout=30)
+    assert not kafka.duplicates(events)
+    served = {event["request_id"] for event in events}
+    assert after_stop <= served, f"{len(after_stop - served)} events lost"

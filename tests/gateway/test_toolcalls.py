@@ -1,0 +1,84 @@
+"""What a completion did: tool calls checked against their schemas, edits, questions."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.gateway.schemas import ToolSpec
+from app.gateway.toolcalls import (
+    ToolSchemas,
+    asks_clarifying_question,
+    looks_like_edit_request,
+    proposes_edit,
+)
+
+TOOLS = [
+    ToolSpec.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": "edit_file",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string"}, "line": {"type": "integer"}},
+                    "required": ["path"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ),
+    ToolSpec.model_validate({"type": "function", "function": {"name": "search_docs"}}),
+]
+
+
+def call(name: str, arguments: str) -> dict[str, object]:
+    return {"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@pytest.mark.parametrize(
+    ("tool_call", "malformed"),
+    [
+        (call("edit_file", '{"path": "a.py", "line": 3}'), False),
+        (call("search_docs", '{"query": "anything goes"}'), False),
+        (call("edit_file", '{"line": 3}'), True),
+        (call("edit_file", '{"path": "a.py", "line": "three"}'), True),
+        (call("edit_file", '{"path": "a.py", "mode": "w"}'), True),
+        (call("edit_file", '{"path": "a.py"'), True),
+        (call("edit_file", '["a.py"]'), True),
+        (call("delete_everything", "{}"), True),
+    ],
+)
+def test_tool_calls_are_checked_against_the_declared_schema(
+    tool_call: dict[str, object], malformed: bool
+) -> None:
+    check = ToolSchemas(TOOLS).check([tool_call])
+    assert (check.calls, check.malformed) == (1, int(malformed))
+
+
+def test_edits_and_clarifying_questions() -> None:
+    schemas = ToolSchemas(TOOLS)
+    nothing = schemas.check([])
+    edit_call = schemas.check([call("edit_file", '{"path": "a.py"}')])
+    search_call = schemas.check([call("search_docs", "{}")])
+
+    assert proposes_edit("Here:\n```python\nreturn x + 3\n```", nothing)
+    assert proposes_edit("", edit_call)
+    assert not proposes_edit("Use `x + 3`.", search_call)
+    assert asks_clarifying_question("Which file do you mean?", nothing)
+    assert not asks_clarifying_question("```py\nx?\n```\nLike this?", nothing)
+    assert not asks_clarifying_question("Which file?", search_call)
+    assert not asks_clarifying_question("Done.", nothing)
+
+
+def test_edit_requests_are_guessed_from_the_last_user_message() -> None:
+    assert looks_like_edit_request([{"role": "user", "content": "Please fix the bug in f"}])
+    assert looks_like_edit_request(
+        [{"role": "user", "content": [{"type": "text", "text": "rename x to y"}]}]
+    )
+    assert not looks_like_edit_request(
+        [
+            {"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "what does this function do?"},
+        ]
+    )

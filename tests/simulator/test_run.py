@@ -1,0 +1,130 @@
+"""Simulations against the real gateway: served, fed back, and the books add up."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from app.embedded.process import free_port
+from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
+from app.simulator import SimulationReport, Workload, make_population, simulate
+
+SEED = 2
+"""Three patient developers (so nobody abandons), two in privacy mode, both languages."""
+ReadTopic = Callable[..., list[dict[str, Any]]]
+
+
+def test_a_short_simulation_is_served_and_every_signal_reaches_kafka(
+    gateway_url: str, ide_key: str, read_topic: ReadTopic
+) -> None:
+    developers = {d.user_id: d for d in make_population(3, SEED, privacy_share=0.5)}
+    progress: list[int] = []
+    report = simulate(
+        gateway_url,
+        ide_key,
+        users=3,
+        sessions_per_user=1,
+        tasks_per_session=2,
+        time_scale=0.001,
+        seed=SEED,
+        privacy_share=0.5,
+        concurrency=4,
+        progress=lambda r: progress.append(r.sessions_ended),
+    )
+
+    # Every request was answered, and the books balance.
+    assert report.errors == {}
+    assert report.requests_sent == report.requests_ok == 6
+    assert report.sessions_started == report.sessions_ended == 3
+    assert len(set(report.served_request_ids)) == 6
+    assert sum(stats.requests for stats in report.checkpoints.values()) == 6
+    accepted = sum(bool(served.accepted) for served in report.served)
+    assert sum(stats.accepted_edits for stats in report.checkpoints.values()) == accepted
+    # One batch per answer (verdict + follow-up), one per survival report, one session end.
+    assert report.feedback_batches_sent == report.feedback_batches_accepted == 6 + 5 * accepted + 3
+    assert report.feedback_events_accepted == 2 * 6 + 5 * accepted + 3
+    assert sorted(progress) == [1, 2, 3]
+
+    served = {s.request_id: s for s in report.served}
+    completions = read_topic(
+        COMPLETIONS_TOPIC, until=lambda events: served.keys() <= {e["request_id"] for e in events}
+    )
+    logged = {e["request_id"]: e for e in completions if e["request_id"] in served}
+    assert logged.keys() == served.keys()
+    for request_id, completion in logged.items():
+        assert completion["checkpoint"] == served[request_id].checkpoint
+        assert completion["edit_requested"] is True
+        assert completion["privacy"] is developers[served[request_id].user_id].privacy
+
+    sessions = {s.session_id: developers[s.user_id] for s in report.served}
+    feedback = read_topic(
+        FEEDBACK_TOPIC,
+        until=lambda events: (
+            sum(e["kind"] == "session_end" and e["session_id"] in sessions for e in events) == 3
+        ),
+    )
+    by_session: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for event in feedback:
+        if event["session_id"] in sessions:
+            by_session[event["session_id"]].append(event)
+    assert by_session.keys() == sessions.keys()
+    for session_id, events in by_session.items():
+        assert events[-1]["kind"] == "session_end", "the session ends after its survival reports"
+        followups = [e for e in events if e["kind"] == "followup_message"]
+        assert len(followups) == 2
+        if sessions[session_id].privacy:
+            assert all(f["message"] is None and f["dissatisfied"] is not None for f in followups)
+        else:
+            assert all(f["message"] for f in followups)
+    survival = [e for e in feedback if e["kind"] == "edit_survival" and e["request_id"] in served]
+    assert len(survival) == 5 * accepted
+
+
+def test_gateway_errors_are_counted_and_the_run_still_finishes(gateway_url: str) -> None:
+    report = simulate(
+        gateway_url,
+        "rtrl-not-a-key",
+        users=2,
+        sessions_per_user=1,
+        tasks_per_session=2,
+        time_scale=0,
+    )
+    assert report.requests_sent == report.requests_failed == 4
+    assert report.errors == {"chat:http_401": 4}
+    assert report.served == [] and report.feedback_batches_sent == 0
+    assert report.sessions_started == 2 and report.sessions_ended == 0
+
+
+def test_an_unreachable_gateway_is_reported_and_a_timed_run_stops_by_itself() -> None:
+    gone = f"http://127.0.0.1:{free_port()}"
+    report = simulate(gone, "key", users=2, duration_s=1.0, rate=20, time_scale=0.001)
+    assert isinstance(report, SimulationReport)
+    assert report.requests_sent == report.requests_failed > 0
+    assert set(report.errors) == {"chat:connection"}
+    assert report.sessions_started >= 2
+
+
+def test_session_starts_are_paced_by_the_rate() -> None:
+    gone = f"http://127.0.0.1:{free_port()}"
+    report = simulate(gone, "key", users=3, sessions_per_user=2, rate=4, time_scale=0)
+    assert report.sessions_started == 6
+    assert report.wall_s >= 5 / 4
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"users": 0}, {"rate": 0}, {"time_scale": -1}, {"split": "test"}]
+)
+def test_a_workload_with_impossible_knobs_is_refused(knobs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        Workload(**knobs)
+
+
+def test_sessions_still_open_at_the_time_limit_are_cut() -> None:
+    gone = f"http://127.0.0.1:{free_port()}"
+    # At real time scale developers think 5-60 s between tasks, far past the limit.
+    report = simulate(gone, "key", users=2, tasks_per_session=2, time_scale=1, max_wall_s=1)
+    assert report.sessions_started == report.sessions_cut == 2
+    assert report.requests_sent == 2

@@ -1,0 +1,39 @@
+"""The closed loop end to end, smaller than `make demo`: the assistant measurably improves."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine
+
+from app.config import Settings
+from app.demo import DemoConfig, run_demo
+from app.embedded.process import free_port
+from app.serving.vllm import VllmServer
+
+
+@pytest.mark.slow
+def test_one_cycle_beats_the_base_model_on_held_out_traffic(
+    clean_registry: Engine, vllm_server: VllmServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        base_model=tiny_model_dir,
+        vllm_urls=[vllm_server.url],
+        gateway_port=free_port(),
+    )
+    config = DemoConfig(cycles=1, train_users=16, train_sessions=2, eval_users=24, concurrency=8)
+
+    summary = run_demo(settings, config, progress=print)
+
+    assert summary.final_checkpoint != "base"
+    assert summary.base_kept is not None and summary.final_kept is not None
+    print(
+        f"kept rate base {summary.base_kept:.3f} -> {summary.final_checkpoint}"
+        f" {summary.final_kept:.3f}, 95% CI [{summary.ci_low}, {summary.ci_high}]"
+    )
+    assert summary.ci_low is not None and summary.ci_low > 0
+    # The demo stopped the gateway and worker it started, and left the session's stack up.
+    assert os.path.exists(tmp_path / "logs" / "gateway.log")

@@ -11,15 +11,25 @@ from sqlalchemy import Engine
 from app.config import Settings
 from app.demo import DemoConfig, run_demo
 from app.embedded.process import free_port
+from app.embedded.stack import EmbeddedStack
 from app.serving.vllm import VllmServer
 
 
 @pytest.mark.slow
 def test_one_cycle_beats_the_base_model_on_held_out_traffic(
-    clean_registry: Engine, vllm_server: VllmServer, tiny_model_dir: Path, tmp_path: Path
+    clean_registry: Engine,
+    stack: EmbeddedStack,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    tmp_path: Path,
 ) -> None:
+    # The session's services and vLLM, addressed as external ones: the demo starts only the
+    # gateway and a worker, and stops only those.
     settings = Settings(
         data_dir=tmp_path,
+        database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
+        kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
+        redis_url=f"redis://localhost:{stack.redis.port}/0",
         base_model=tiny_model_dir,
         vllm_urls=[vllm_server.url],
         gateway_port=free_port(),

@@ -162,6 +162,7 @@ class RoutingCache:
     table: RoutingTable = field(default_factory=RoutingTable)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _reload_wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    _stopping: bool = False
 
     async def start(self) -> None:
         """Load the table now, then follow changes in the background."""
@@ -171,12 +172,20 @@ class RoutingCache:
             asyncio.create_task(self._reload_loop(), name="routing-reload"),
         ]
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop following changes; a reload in progress may finish, within `timeout_s`."""
+        # Cancelling a query mid-flight can leave the async driver waiting forever, so the
+        # reload loop is asked to stop rather than cancelled.
+        self._stopping = True
+        self._reload_wanted.set()
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if task.get_name() == "routing-listen":
+                task.cancel()
+        if self._tasks:
+            _, late = await asyncio.wait(self._tasks, timeout=timeout_s)
+            for task in late:
+                log.warning("routing task %s did not stop in time", task.get_name())
+                task.cancel()
         self._tasks = []
 
     async def reload(self) -> None:
@@ -185,10 +194,12 @@ class RoutingCache:
             self.table = await load_routing_table(session)
 
     async def _reload_loop(self) -> None:
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reload_wanted.wait(), timeout=self.refresh_s)
             self._reload_wanted.clear()
+            if self._stopping:
+                return
             try:
                 await self.reload()
             except Exception:

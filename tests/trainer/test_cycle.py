@@ -32,6 +32,7 @@ from trainer.bootstrap import prompt_ids
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
 from trainer.lock import CycleBusy, trainer_lock
+from workers.rewards import RewardComponents
 
 Served = list[tuple[Task, ServedCompletion]]
 
@@ -90,11 +91,24 @@ def record(
             )
             session.add(row)
             session.flush()
+            value = reward(task, completion)
+            components = RewardComponents(
+                edit_requested=True,
+                proposed_edit=row.proposed_edit,
+                accepted=value > 0,
+                kept=value,
+                survival_elapsed_s=900.0 if value > 0 else None,
+                dissatisfied=None,
+                latency_ms=2.0,
+                latency_over_budget=False,
+                malformed_tool_calls=0,
+                status="ok",
+            )
             session.add(
                 Reward(
                     sample_id=row.id,
-                    components={"task": task.task_id},
-                    reward=reward(task, completion),
+                    components=components.model_dump(mode="json"),
+                    reward=value,
                     reward_version=1,
                     due_at=now,
                     finalized_at=now,

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine, func, select
 
+from app.admin.experiments import start_canary
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
@@ -159,25 +160,6 @@ class Ops:
     def roll_back(self, name: str) -> None:
         self._post(f"/checkpoints/{name}/rollback", {"reason": "did not win its A/B test"})
 
-    def start_experiment(self, name: str, control: str, treatment: str, share_bps: int) -> int:
-        created = self._post(
-            "/experiments",
-            {
-                "name": name,
-                "arms": [
-                    {
-                        "name": "control",
-                        "checkpoint": control,
-                        "weight_bps": 10_000 - share_bps,
-                        "is_control": True,
-                    },
-                    {"name": "treatment", "checkpoint": treatment, "weight_bps": share_bps},
-                ],
-                "start": True,
-            },
-        )
-        return int(created["id"])
-
 
 def production_name(engine: Engine) -> str:
     with session_scope(engine) as session:
@@ -224,11 +206,12 @@ def ab_table(body: dict[str, Any]) -> str:
     for arm in body["arms"]:
         metrics = arm["metrics"]
         p50 = metrics.get("latency_p50_ms", {}).get("value")
+        p50_text = "-" if p50 is None else str(round(p50))
         lines.append(
             f"{arm['arm']:<10} {arm['checkpoint'] or '-':<10} {arm['users']:>5}"
             f" {arm['requests']:>5}  {_cell(metrics['kept'], True):<30}"
             f" {_cell(metrics['dissatisfied_rate'], True):<30}"
-            f" {p50 if p50 is None else round(p50):>7}  {_cell(metrics['mean_reward'], False)}"
+            f" {p50_text:>7}  {_cell(metrics['mean_reward'], False)}"
         )
     ratio = body.get("sample_ratio")
     if ratio:
@@ -332,7 +315,9 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
             ops.stop_all()
 
         final = production_name(engine)
-        summary = final_comparison(engine, ops, config, keys, gateway, base, final, progress)
+        summary = final_comparison(
+            engine, settings, ops, config, keys, gateway, base, final, progress
+        )
         summary.checkpoints = lineage
         progress(f"\nlineage: {' -> '.join(lineage)}")
         progress(
@@ -349,6 +334,7 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
 
 def final_comparison(
     engine: Engine,
+    settings: Settings,
     ops: Ops,
     config: DemoConfig,
     keys: DemoKeys,
@@ -363,9 +349,20 @@ def final_comparison(
         progress("\nno checkpoint beat the base model; nothing to compare")
         return DemoSummary([], final, None, None, None, None, None, dashboard)
     progress(f"\n=== summary: {base} vs {final} on held-out tasks, 50/50 ===")
-    experiment_id = ops.start_experiment(
-        f"demo-{base}-vs-{final}-{int(time.time())}", base, final, 5000
-    )
+    # A holdback experiment: the retired base model against the last checkpoint. `/admin`
+    # rightly refuses experiments on retired checkpoints, so this one is set up directly.
+    with session_scope(engine) as session:
+        control = session.scalar(select(Checkpoint).where(Checkpoint.name == base))
+        treatment = session.scalar(select(Checkpoint).where(Checkpoint.name == final))
+        assert control is not None and treatment is not None
+        experiment_id = start_canary(
+            session,
+            control=control,
+            treatment=treatment,
+            treatment_bps=5000,
+            created_by="rtrl demo holdback",
+        ).id
+    notify_routing_changed_sync(settings.redis_url)
     evaluation = simulate(
         gateway,
         keys.evaluator,

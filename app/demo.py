@@ -17,6 +17,7 @@ import httpx
 from sqlalchemy import Engine, func, select
 
 from app.admin.experiments import start_canary
+from app.analytics.rollups import refresh_rollups
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
@@ -170,7 +171,13 @@ def production_name(engine: Engine) -> str:
     return name
 
 
-def results(gateway_url: str, analyst_key: str, experiment_id: int) -> dict[str, Any]:
+def results(
+    engine: Engine, gateway_url: str, analyst_key: str, experiment_id: int
+) -> dict[str, Any]:
+    """The experiment's A/B results from `/analytics`, with the rollups brought up to date."""
+    # Analytics reads hourly rollups refreshed at most every 30 s; the demo asks seconds
+    # after the traffic it wants to see, so it refreshes them first.
+    refresh_rollups(engine)
     response = httpx.get(
         f"{gateway_url}/analytics/experiments/{experiment_id}/results",
         headers={"Authorization": f"Bearer {analyst_key}"},
@@ -299,7 +306,7 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
                 concurrency=config.concurrency,
             )
             wait_for_rewards(engine, [r.request_id for r in evaluation.served], progress)
-            body = results(gateway, keys.analyst, experiment_id)
+            body = results(engine, gateway, keys.analyst, experiment_id)
             progress("  A/B results on held-out tasks (from /analytics):")
             progress("  " + ab_table(body).replace("\n", "\n  "))
             kept = treatment_kept(body)
@@ -363,6 +370,7 @@ def final_comparison(
             created_by="rtrl demo holdback",
         ).id
     notify_routing_changed_sync(settings.redis_url)
+    time.sleep(2)  # every gateway reloads its routing table on that message
     evaluation = simulate(
         gateway,
         keys.evaluator,
@@ -375,7 +383,7 @@ def final_comparison(
         concurrency=config.concurrency,
     )
     wait_for_rewards(engine, [r.request_id for r in evaluation.served], progress)
-    body = results(gateway, keys.analyst, experiment_id)
+    body = results(engine, gateway, keys.analyst, experiment_id)
     progress(ab_table(body))
     ops.stop_all()
     control = next(a for a in body["arms"] if a["is_control"])["metrics"]["kept"]

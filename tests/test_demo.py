@@ -34,7 +34,7 @@ def test_one_cycle_beats_the_base_model_on_held_out_traffic(
         vllm_urls=[vllm_server.url],
         gateway_port=free_port(),
     )
-    config = DemoConfig(cycles=1, train_users=16, train_sessions=2, eval_users=24, concurrency=8)
+    config = DemoConfig(cycles=1, train_users=16, train_sessions=2, eval_users=48, concurrency=8)
 
     summary = run_demo(settings, config, progress=print)
 

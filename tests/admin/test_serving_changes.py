@@ -1,6 +1,6 @@
 """Promotions and rollbacks change what every running gateway serves, within seconds.
 
-Two gateway replicas (the colleague's `GatewayServer`) on the admin tests' database, the
+Two gateway replicas (`GatewayServer` from the gateway tests) on the admin tests' database, the
 session's real vLLM, Redis and Kafka; the change is made through one replica's admin API
 and observed as the `model` that answers chat completions on both.
 """

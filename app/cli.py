@@ -43,10 +43,11 @@ cli.add_typer(keys_cli, name="keys")
 
 
 def _print_statuses(statuses: list[ServiceStatus]) -> None:
-    typer.echo(f"{'service':<10} {'state':<10} {'pid':<8} url")
-    for status in statuses:
-        state = "external" if not status.embedded else "running" if status.running else "stopped"
-        typer.echo(f"{status.name:<10} {state:<10} {status.pid or '-'!s:<8} {status.url}")
+    from app.launcher import StackRow, stack_state
+
+    _print_rows(
+        [StackRow(s.name, stack_state(s.embedded, s.running), s.pid, s.url) for s in statuses]
+    )
 
 
 @services_cli.command("up")

@@ -200,20 +200,24 @@ class FullStack:
 
     def status(self) -> list[StackRow]:
         rows = [
-            StackRow(s.name, _state(s.embedded, s.running), s.pid, s.url)
+            StackRow(s.name, stack_state(s.embedded, s.running), s.pid, s.url)
             for s in self.services.status()
         ]
         if self.vllm is not None:
             rows.append(
-                StackRow("vllm", _state(True, self.vllm.healthy()), self.vllm.pid(), self.vllm.url)
+                StackRow(
+                    "vllm", stack_state(True, self.vllm.healthy()), self.vllm.pid(), self.vllm.url
+                )
             )
         for process in self.roles():
             url = self.gateway_url if process is self.gateway else "-"
-            rows.append(StackRow(process.name, _state(True, process.healthy()), process.pid(), url))
+            rows.append(
+                StackRow(process.name, stack_state(True, process.healthy()), process.pid(), url)
+            )
         return rows
 
 
-def _state(embedded: bool, running: bool) -> str:
+def stack_state(embedded: bool, running: bool) -> str:
     if not embedded:
         return "external"
     return "running" if running else "stopped"

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -107,6 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(OperationalError, _database_unavailable)
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestObservability)
@@ -246,6 +248,20 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     param = ".".join(str(part) for part in error["loc"]) or None
     message = f"Invalid {param or 'request'}: {error['msg']}"
     return error_response(400, error_body(message, type="invalid_request_error", param=param))
+
+
+async def _database_unavailable(request: Request, exc: Exception) -> Response:
+    # Admin and analytics read Postgres on every request; the completion path does not.
+    log.warning("database unavailable: %s", str(exc).splitlines()[0])
+    return error_response(
+        503,
+        error_body(
+            "The database is unavailable; retry shortly.",
+            type="api_error",
+            code="database_unavailable",
+        ),
+        {"Retry-After": "5"},
+    )
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

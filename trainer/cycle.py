@@ -19,7 +19,7 @@ from app.admin.experiments import start_canary
 from app.config import Settings
 from app.db import session_scope
 from app.models import Checkpoint, CheckpointStatus, TrainingRun, TrainingRunStatus
-from app.serving.checkpoints import publish_checkpoint
+from app.serving.checkpoints import publish_checkpoint, reconcile
 from app.serving.parity import batch_logprobs, completion_batch, completion_logprobs, logprob_drift
 from app.tasks import heldout_tasks
 from trainer.config import TrainConfig
@@ -52,7 +52,13 @@ def run_cycle(
 ) -> CycleResult:
     """Run one cycle under the trainer lock and record it as a training run."""
     with trainer_lock(engine):
-        abandon_crashed_runs(engine)
+        if abandon_crashed_runs(engine):
+            # A run that died while publishing may have left its adapter on a replica.
+            report = reconcile(engine, settings.vllm_urls)
+            for replica, names in report.unloaded.items():
+                progress(f"unloaded unregistered {', '.join(names)} from {replica}")
+            for error in report.errors:
+                progress(f"reconcile: {error}")
         run_id, production, batch = open_run(engine, config)
         progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
         threads = torch.get_num_threads()
@@ -71,10 +77,10 @@ def run_cycle(
             torch.set_num_threads(threads)
 
 
-def abandon_crashed_runs(engine: Engine) -> None:
-    """Runs still 'running' while we hold the lock died with their process."""
+def abandon_crashed_runs(engine: Engine) -> int:
+    """Runs still 'running' while we hold the lock died with their process; how many."""
     with session_scope(engine) as session:
-        session.execute(
+        result = session.execute(
             update(TrainingRun)
             .where(TrainingRun.status == TrainingRunStatus.running)
             .values(
@@ -83,6 +89,7 @@ def abandon_crashed_runs(engine: Engine) -> None:
                 finished_at=datetime.now(UTC),
             )
         )
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def open_run(engine: Engine, config: TrainConfig) -> tuple[int, Checkpoint, OnPolicyBatch]:

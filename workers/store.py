@@ -64,11 +64,11 @@ def sample_row(event: CompletionEvent) -> dict[str, Any]:
         "edit_requested": event.edit_requested,
         "proposed_edit": event.proposed_edit,
         "clarifying_question": event.clarifying_question,
-        "prompt_messages": None if private else event.prompt_messages,
+        "prompt_messages": None if private else without_nul(event.prompt_messages),
         "prompt_token_ids": None if private else event.prompt_token_ids,
         "completion_token_ids": None if private else event.completion_token_ids,
         "behaviour_logprobs": None if private else event.behaviour_logprobs,
-        "completion_text": None if private else event.completion_text,
+        "completion_text": None if private else without_nul(event.completion_text),
         "completion_chars": event.completion_chars,
         "finish_reason": event.finish_reason,
         "status": event.status,
@@ -78,6 +78,19 @@ def sample_row(event: CompletionEvent) -> dict[str, Any]:
         "malformed_tool_calls": event.malformed_tool_calls,
         "served_at": event.occurred_at,
     }
+
+
+def without_nul(value: Any) -> Any:
+    """`value` with each NUL character replaced by U+FFFD: Postgres text and JSONB cannot hold
+    NUL, and a model's answer or a developer's paste may carry one; the record must not be
+    lost over it."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [without_nul(item) for item in value]
+    if isinstance(value, dict):
+        return {without_nul(key): without_nul(item) for key, item in value.items()}
+    return value
 
 
 def feedback_row(event: Feedback) -> dict[str, Any]:
@@ -98,7 +111,7 @@ def feedback_row(event: Feedback) -> dict[str, Any]:
         row["surviving_share"] = event.surviving_share
     elif isinstance(event, FollowupMessage):
         # Same precedence as `distil_components`: the text, when there is one, decides.
-        row["message"] = event.message
+        row["message"] = without_nul(event.message)
         row["dissatisfied"] = (
             is_dissatisfied(event.message) if event.message is not None else event.dissatisfied
         )

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.auth.schemas import Principal
-from app.auth.service import Authenticator, AuthError, RateLimiter
+from app.auth.service import Authenticator, AuthError, AuthUnavailable, RateLimiter
 from app.gateway.schemas import ApiError
 from app.models import Role
 
@@ -54,6 +54,15 @@ def require_role(*roles: Role) -> Callable[[Request], Awaitable[Principal]]:
         except AuthError as exc:
             raise ApiError(
                 401, f"{exc}.", type="authentication_error", code="invalid_api_key"
+            ) from None
+        except AuthUnavailable:
+            log.warning("API key not checked: Postgres unavailable", exc_info=True)
+            raise ApiError(
+                503,
+                "API keys cannot be checked right now; retry shortly.",
+                type="api_error",
+                code="auth_unavailable",
+                headers={"Retry-After": "2"},
             ) from None
         if principal.role not in allowed:
             raise ApiError(

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 from redis.asyncio import Redis
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.auth.schemas import Principal
@@ -21,10 +22,18 @@ DISPLAY_PREFIX_CHARS = 12
 AUTH_CACHE_TTL_S = 3.0
 """How long a key lookup is trusted, so a revocation takes effect within this time."""
 AUTH_CACHE_MAX_ENTRIES = 10_000
+AUTH_STALE_IF_ERROR_S = 600.0
+"""While Postgres is unreachable, a key's last answer stands this long past its TTL, so the
+gateway keeps serving known keys through a database restart (a revocation made during the
+outage waits for Postgres to return)."""
 
 
 class AuthError(Exception):
     """The presented key is missing, unknown, revoked or expired."""
+
+
+class AuthUnavailable(Exception):
+    """The key could not be checked: Postgres is unreachable and no recent answer is cached."""
 
 
 def hash_secret(secret: str) -> str:
@@ -100,9 +109,11 @@ class Authenticator:
         *,
         ttl_s: float = AUTH_CACHE_TTL_S,
         max_entries: int = AUTH_CACHE_MAX_ENTRIES,
+        stale_if_error_s: float = AUTH_STALE_IF_ERROR_S,
     ) -> None:
         self._session_maker = session_maker
         self._ttl_s = ttl_s
+        self._stale_if_error_s = stale_if_error_s
         self._max_entries = max_entries
         self._cache: dict[str, tuple[float, Principal | None]] = {}
 
@@ -116,10 +127,16 @@ class Authenticator:
         if cached is not None and cached[0] > now:
             principal = cached[1]
         else:
-            principal = await self._lookup(key_hash)
-            if len(self._cache) >= self._max_entries:
-                self._evict(now)
-            self._cache[key_hash] = (now + self._ttl_s, principal)
+            try:
+                principal = await self._lookup(key_hash)
+            except (SQLAlchemyError, OSError) as exc:
+                if cached is None or cached[0] + self._stale_if_error_s <= now:
+                    raise AuthUnavailable(str(exc).splitlines()[0]) from exc
+                principal = cached[1]  # the last answer stands while Postgres is away
+            else:
+                if len(self._cache) >= self._max_entries:
+                    self._evict(now)
+                self._cache[key_hash] = (now + self._ttl_s, principal)
         if principal is None:
             raise AuthError("invalid or revoked API key")
         if principal.expires_at is not None and principal.expires_at <= datetime.now(UTC):

@@ -51,14 +51,17 @@ def test_undecodable_and_invalid_messages_become_dead_letters_with_reasons(event
     batch = decode_batch(records, config)
 
     assert [a.row["request_id"] for a in batch.samples] == [events.request(1)]
-    assert [a.row["kind"] for a in batch.feedback] == ["edit_accepted"]
+    # A NUL in what a developer typed is stored as U+FFFD, not refused: the record counts.
+    assert [(a.row["kind"], a.row["message"]) for a in batch.feedback] == [
+        ("followup_message", "nul \ufffd inside"),
+        ("edit_accepted", None),
+    ]
     reasons = {(d.source_topic, d.offset): d.reason for d in batch.dead_letters}
-    assert reasons.keys() == {("c", 1), ("c", 2), ("c", 3), ("c", 4), ("f", 7), ("f", 8)}
+    assert reasons.keys() == {("c", 1), ("c", 2), ("c", 3), ("c", 4), ("f", 8)}
     assert reasons["c", 1].startswith("undecodable: ")
     assert "ttft_ms" in reasons["c", 2]
     assert "privacy-mode completions carry no content" in reasons["c", 3]
     assert reasons["c", 4] == "invalid: checkpoint is longer than 64 characters"
-    assert reasons["f", 7] == "invalid: message contains a NUL character"
     assert reasons["f", 8] == "empty message"
     letter = next(d for d in batch.dead_letters if d.offset == 1)
     assert letter.payload == "\ufffd not json"

@@ -200,13 +200,18 @@ def test_rows_postgres_would_reject_are_named(events: Any) -> None:
     assert unstorable(samples, sample_row(events.completion(1))) is None
     too_long = sample_row(events.completion(1, checkpoint="c" * 65))
     assert unstorable(samples, too_long) == "checkpoint is longer than 64 characters"
-    nul = feedback_row(events.followup(1, "bad\x00byte"))
-    assert unstorable(feedback_events, nul) == "message contains a NUL character"
+    nul = sample_row(events.completion(1, finish_reason="stop\x00"))
+    assert unstorable(samples, nul) == "finish_reason contains a NUL character"
     huge = sample_row(events.completion(1, completion_token_ids=[2**31], behaviour_logprobs=[-1.0]))
     assert (
         unstorable(samples, huge) == "completion_token_ids holds a value out of the integer range"
     )
     slow = sample_row(events.completion(1, latency_ms=float("inf")))
     assert unstorable(samples, slow) == "latency_ms is not a finite number"
-    nul_json = sample_row(events.completion(1, prompt_messages=[{"content": "a\x00"}]))
-    assert unstorable(samples, nul_json) == "prompt_messages contains a NUL character"
+    # A model's answer or a developer's prompt may hold NUL: stored as U+FFFD, never refused.
+    scrubbed = sample_row(
+        events.completion(1, prompt_messages=[{"content": "a\x00"}], completion_text="b\x00")
+    )
+    assert unstorable(samples, scrubbed) is None
+    assert scrubbed["prompt_messages"] == [{"content": "a\ufffd"}]
+    assert scrubbed["completion_text"] == "b\ufffd"

@@ -1,0 +1,96 @@
+"""The books of simulated traffic: what the simulator was served against what Postgres holds.
+
+What an operator audits after an incident: every completion the gateway answered has
+exactly one sample and one finalized reward that saw the developer's verdict, every
+feedback event the gateway accepted is stored once, and nothing else was written. Read
+for the sessions the given runs worked in, so other traffic in the same database is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, func, select
+
+from app.db import session_scope
+from app.models import FeedbackEventRow, Reward, Sample
+from app.simulator.report import SimulationReport
+
+
+@dataclass
+class Books:
+    """What the database holds for one run's traffic, against what the simulator saw."""
+
+    served: int
+    samples: int
+    missing_samples: list[str]
+    """Answered requests without a sample."""
+    unfinalized: list[str]
+    """Answered requests whose reward is missing or not final."""
+    orphans: list[str]
+    """Samples of requests the simulator never got an answer to."""
+    wrong_verdicts: list[str]
+    """Rewards whose `accepted` differs from what the developer did."""
+    feedback_accepted: int
+    feedback_stored: int
+
+    @property
+    def balanced(self) -> bool:
+        return (
+            not self.missing_samples
+            and not self.unfinalized
+            and not self.orphans
+            and not self.wrong_verdicts
+            and self.feedback_stored == self.feedback_accepted
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"served {self.served}, samples {self.samples}, missing {self.missing_samples[:5]},"
+            f" unfinalized {self.unfinalized[:5]}, orphans {self.orphans[:5]},"
+            f" wrong verdicts {self.wrong_verdicts[:5]},"
+            f" feedback stored {self.feedback_stored}/{self.feedback_accepted}"
+        )
+
+
+def read_books(engine: Engine, reports: list[SimulationReport]) -> Books:
+    """The books of the sessions the simulator runs worked in (other traffic is not theirs)."""
+    served = {r.request_id: r for report in reports for r in report.served}
+    sessions = sorted({r.session_id for r in served.values()})
+    with session_scope(engine) as session:
+        rows = session.execute(
+            select(Sample.request_id, Reward.finalized_at, Reward.components)
+            .outerjoin(Reward, Reward.sample_id == Sample.id)
+            .where(Sample.session_id.in_(sessions))
+        ).all()
+        feedback_stored = (
+            session.scalar(
+                select(func.count())
+                .select_from(FeedbackEventRow)
+                .where(FeedbackEventRow.session_id.in_(sessions))
+            )
+            or 0
+        )
+    by_request = {row.request_id: row for row in rows}
+    missing = sorted(served.keys() - by_request.keys())
+    orphans = sorted(by_request.keys() - served.keys())
+    unfinalized = sorted(
+        rid for rid in served.keys() & by_request.keys() if by_request[rid].finalized_at is None
+    )
+    wrong = sorted(
+        f"{rid} (stored {components.get('accepted')}, developer {request.accepted})"
+        for rid, request in served.items()
+        if rid in by_request
+        and request.accepted is not None
+        and (components := by_request[rid].components or {}).get("accepted") != request.accepted
+    )
+    return Books(
+        served=len(served),
+        samples=len(rows),
+        missing_samples=missing,
+        unfinalized=unfinalized,
+        orphans=orphans,
+        wrong_verdicts=wrong,
+        feedback_accepted=sum(report.feedback_events_accepted for report in reports),
+        feedback_stored=feedback_stored,
+    )

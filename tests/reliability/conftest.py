@@ -1,0 +1,213 @@
+"""The loop as real processes under faults: the session's Postgres, Kafka, Redis and vLLM,
+a gateway and workers started as `rtrl` subprocesses, simulator traffic, and its books
+(`app.simulator.books`) at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndMetadata
+from sqlalchemy import Engine
+
+from app.auth.service import new_api_key
+from app.config import Settings, settings_environment
+from app.db import session_scope
+from app.embedded.process import free_port
+from app.embedded.stack import EmbeddedStack
+from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
+from app.launcher import RtrlProcess
+from app.models import Role
+from app.serving.checkpoints import ensure_base_checkpoint
+from app.serving.vllm import VllmServer
+from app.simulator.books import Books, read_books
+from app.simulator.report import SimulationReport
+from app.simulator.run import simulate
+
+
+class Traffic:
+    """Simulator traffic in a background thread; `result()` waits for its report."""
+
+    def __init__(self, run: Callable[[], SimulationReport]) -> None:
+        self._report: SimulationReport | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(run,), daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], SimulationReport]) -> None:
+        try:
+            self._report = run()
+        except BaseException as exc:  # surfaced by result()
+            self._error = exc
+
+    def result(self, timeout: float = 300.0) -> SimulationReport:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"simulator traffic still running after {timeout:.0f} s")
+        if self._error is not None:
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+
+@dataclass
+class Loop:
+    """A gateway and workers as subprocesses over the session's services and vLLM."""
+
+    settings: Settings
+    engine: Engine
+    stack: EmbeddedStack
+    ide_key: str
+    root: Path
+    gateway: RtrlProcess = field(init=False)
+    workers: list[RtrlProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # A consumer group of this loop's own, starting where the topics end now: earlier
+        # tests' events stay theirs, and their killed members cannot stall this group's
+        # rebalances (the embedded broker never evicts a member that died without leaving).
+        self.group_id = f"rtrl-workers-{uuid.uuid4().hex[:8]}"
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.settings.kafka_bootstrap_servers,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+        )
+        try:
+            partitions = [
+                TopicPartition(topic, partition)
+                for topic in (COMPLETIONS_TOPIC, FEEDBACK_TOPIC)
+                for partition in consumer.partitions_for_topic(topic) or ()
+            ]
+            consumer.commit(
+                {
+                    tp: OffsetAndMetadata(end, "", -1)
+                    for tp, end in consumer.end_offsets(partitions).items()
+                }
+            )
+        finally:
+            consumer.close()
+        self.gateway = self._process("gateway", f"{self.url}/readyz")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.gateway_port}"
+
+    def _process(self, name: str, ready_url: str | None = None) -> RtrlProcess:
+        arguments = ["gateway"] if name == "gateway" else ["worker", "--group-id", self.group_id]
+        environment = settings_environment(self.settings)
+        return RtrlProcess(
+            name, arguments, self.root / "run", self.root / "logs", environment, ready_url
+        )
+
+    def start_worker(self) -> RtrlProcess:
+        worker = self._process(f"worker-{len(self.workers) + 1}")
+        worker.start()
+        self.workers.append(worker)
+        return worker
+
+    def traffic(self, *, users: int = 6, seed: int = 1, **workload: Any) -> Traffic:
+        """Developers working through the gateway, in the background."""
+        options: dict[str, Any] = {
+            "sessions_per_user": 2,
+            "tasks_per_session": 4,
+            "time_scale": 0.005,
+            "concurrency": 6,
+            "privacy_share": 0.0,
+        } | workload
+        return Traffic(lambda: simulate(self.url, self.ide_key, users=users, seed=seed, **options))
+
+    def ready(self) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(f"{self.url}/readyz", timeout=5).json()
+        return body
+
+    def wait_for_books(self, reports: list[SimulationReport], timeout: float = 120.0) -> Books:
+        """The books once they balance, or as they stand when the timeout runs out."""
+        deadline = time.monotonic() + timeout
+        books = read_books(self.engine, reports)
+        while not books.balanced and time.monotonic() < deadline:
+            time.sleep(1.0)
+            books = read_books(self.engine, reports)
+        return books
+
+    def stop(self) -> None:
+        for process in [*self.workers, self.gateway]:
+            process.stop()
+
+
+def make_key(engine: Engine, role: Role, **fields: Any) -> str:
+    """A new API key's secret; a whole simulated population may share it."""
+    fields.setdefault("rate_limit_per_minute", 100_000)
+    with session_scope(engine) as session:
+        row, secret = new_api_key(name=f"reliability-{uuid.uuid4().hex[:8]}", role=role, **fields)
+        session.add(row)
+    return secret
+
+
+def kill(process: RtrlProcess) -> None:
+    """SIGKILL, as the OOM killer or a lost node would."""
+    pid = process.pid()
+    assert pid is not None, f"{process.name} is not running"
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while process.pid() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.pid_file.unlink(missing_ok=True)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.2)
+
+
+def open_loop(
+    engine: Engine, stack: EmbeddedStack, vllm: VllmServer, model_dir: Path, root: Path
+) -> Loop:
+    """A gateway and one worker over the session's services, with an IDE key to drive them."""
+    settings = Settings(
+        data_dir=root,
+        # The session's services, addressed as external ones, so nothing here starts them.
+        database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
+        kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
+        redis_url=f"redis://localhost:{stack.redis.port}/0",
+        base_model=model_dir,
+        vllm_urls=[vllm.url],
+        gateway_port=free_port(),
+    )
+    with session_scope(engine) as session:
+        ensure_base_checkpoint(session, str(model_dir))
+    loop = Loop(settings, engine, stack, make_key(engine, Role.ide), root)
+    loop.gateway.start()
+    loop.start_worker()
+    return loop
+
+
+@pytest.fixture
+def loop(
+    clean_registry: Engine,
+    stack: EmbeddedStack,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> Iterator[Loop]:
+    """A clean registry, a running gateway and one worker; all stopped after the test."""
+    loop = open_loop(clean_registry, stack, vllm_server, tiny_model_dir, tmp_path)
+    try:
+        yield loop
+    finally:
+        loop.stop()
+        # Whatever a test stopped comes back for the rest of the session.
+        stack.kafka.start()
+        stack.postgres.start()

@@ -75,7 +75,8 @@ class Loop:
     def __post_init__(self) -> None:
         # A consumer group of this loop's own, starting where the topics end now: earlier
         # tests' events stay theirs, and their killed members cannot stall this group's
-        # rebalances (the embedded broker never evicts a member that died without leaving).
+        # rebalances (the embedded broker was seen to keep a group rebalancing for minutes
+        # after a member died without leaving).
         self.group_id = f"rtrl-workers-{uuid.uuid4().hex[:8]}"
         consumer = KafkaConsumer(
             bootstrap_servers=self.settings.kafka_bootstrap_servers,

@@ -198,7 +198,8 @@ def test_poison_messages_go_to_the_dead_letter_topic_and_the_stream_goes_on(
     poison = [
         (worker_config.completions_topic, b"{not json"),
         (worker_config.feedback_topic, b'{"kind": "edit_accepted"}'),
-        (worker_config.feedback_topic, encode(events.followup(1, "nul\x00"))),
+        # Postgres text cannot hold NUL; in a field no model or developer writes, it is poison.
+        (worker_config.completions_topic, encode(events.completion(3, finish_reason="x\x00"))),
     ]
     publish(events.completion(1), *poison, events.completion(2), events.accepted(2))
     worker_thread()

@@ -16,6 +16,7 @@ from app.admin.experiments import start_canary
 from app.config import settings_environment
 from app.db import session_scope
 from app.gateway.assignment import notify_routing_changed_sync
+from app.gateway.upstream import SERVED_MODELS_TTL_S
 from app.models import Checkpoint, Experiment, Role, Sample, TrainingRun, TrainingRunStatus
 from app.serving.checkpoints import publish_checkpoint, reconcile
 from app.serving.replicas import served_adapters
@@ -112,7 +113,7 @@ def test_a_stopped_replica_is_a_clear_503_then_its_arm_falls_back_until_reconcil
             session, control=control, treatment=treatment, treatment_bps=5000, created_by="test"
         ).id
     notify_routing_changed_sync(settings.redis_url)
-    time.sleep(2)
+    time.sleep(SERVED_MODELS_TTL_S + 1)  # the gateway's list of served models has the canary
     served = loop.traffic(users=8, seed=7).result()
 
     vllm_server.stop()
@@ -125,6 +126,7 @@ def test_a_stopped_replica_is_a_clear_503_then_its_arm_falls_back_until_reconcil
 
     fell_back = loop.traffic(users=8, seed=9).result()
     assert reconcile(engine, settings.vllm_urls).loaded == {vllm_server.url: [canary.name]}
+    time.sleep(SERVED_MODELS_TTL_S + 1)
     recovered = loop.traffic(users=8, seed=10).result()
 
     books = loop.wait_for_books([served, down, fell_back, recovered])

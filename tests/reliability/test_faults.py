@@ -3,6 +3,7 @@ finalized reward, with the developer's verdict, and nothing else is written."""
 
 from __future__ import annotations
 
+import glob
 import subprocess
 import sys
 import time
@@ -165,10 +166,9 @@ def _train(loop: Loop, kill_when: Path | None) -> subprocess.CompletedProcess[st
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     log = (loop.root / "logs" / "trainer.log").open("a")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    parent, pattern = kill_when.parent, kill_when.name
     deadline = time.monotonic() + 600
     while process.poll() is None and time.monotonic() < deadline:
-        if parent.exists() and any(parent.glob(pattern)):
+        if glob.glob(str(kill_when), include_hidden=True):
             process.kill()
             break
         time.sleep(0.005)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import OperationalError
 
 from app.db import session_scope
 from app.models import Checkpoint, CheckpointStatus, Role
@@ -29,8 +31,17 @@ REGISTRY_TABLES = (
 @pytest.fixture(autouse=True)
 def registry(app_engine: Engine) -> Engine:
     """Nothing but the base model, which is production."""
-    with app_engine.begin() as conn:
-        conn.execute(text(f"TRUNCATE {REGISTRY_TABLES} RESTART IDENTITY CASCADE"))
+    # The app's routing listener may be reloading the registry after the last test's
+    # change; Postgres then breaks the deadlock by failing one side, so try again.
+    for attempt in range(5):
+        try:
+            with app_engine.begin() as conn:
+                conn.execute(text(f"TRUNCATE {REGISTRY_TABLES} RESTART IDENTITY CASCADE"))
+            break
+        except OperationalError:
+            if attempt == 4:
+                raise
+            time.sleep(0.2)
     with session_scope(app_engine) as session:
         ensure_base_checkpoint(session, "tiny-base")
     return app_engine

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 from transformers import LlamaForCausalLM
 
-from app.config import get_settings
+from app.config import Settings, get_settings
 from app.db import make_engine, session_scope
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
@@ -86,6 +86,22 @@ def db_session(engine: Engine) -> Iterator[Session]:
         finally:
             session.close()
             transaction.rollback()
+
+
+def external_settings(
+    stack: EmbeddedStack, vllm: VllmServer, model_dir: Path, data_dir: Path
+) -> Settings:
+    """Settings that address the session's services and vLLM as external ones, so whatever
+    runs on them (the demo, `rtrl` subprocesses) starts and stops none of them."""
+    return Settings(
+        data_dir=data_dir,
+        database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
+        kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
+        redis_url=f"redis://localhost:{stack.redis.port}/0",
+        base_model=model_dir,
+        vllm_urls=[vllm.url],
+        gateway_port=free_port(),
+    )
 
 
 def build_random_lora(model_dir: Path, adapter_dir: Path, seed: int = 1) -> None:

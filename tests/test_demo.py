@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app.config import Settings
 from app.demo import DemoConfig, run_demo
-from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.serving.vllm import VllmServer
+from tests.conftest import external_settings
 
 
 @pytest.mark.slow
@@ -25,15 +24,7 @@ def test_one_cycle_beats_the_base_model_on_held_out_traffic(
 ) -> None:
     # The session's services and vLLM, addressed as external ones: the demo starts only the
     # gateway and a worker, and stops only those.
-    settings = Settings(
-        data_dir=tmp_path,
-        database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
-        kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
-        redis_url=f"redis://localhost:{stack.redis.port}/0",
-        base_model=tiny_model_dir,
-        vllm_urls=[vllm_server.url],
-        gateway_port=free_port(),
-    )
+    settings = external_settings(stack, vllm_server, tiny_model_dir, tmp_path)
     config = DemoConfig(cycles=1, train_users=16, train_sessions=2, eval_users=48, concurrency=8)
 
     summary = run_demo(settings, config, progress=print)

@@ -23,7 +23,6 @@ from sqlalchemy import Engine
 from app.auth.service import new_api_key
 from app.config import Settings, settings_environment
 from app.db import session_scope
-from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.launcher import RtrlProcess
@@ -33,6 +32,7 @@ from app.serving.vllm import VllmServer
 from app.simulator.books import Books, read_books
 from app.simulator.report import SimulationReport
 from app.simulator.run import simulate
+from tests.conftest import external_settings
 
 
 class Traffic:
@@ -177,16 +177,7 @@ def open_loop(
     engine: Engine, stack: EmbeddedStack, vllm: VllmServer, model_dir: Path, root: Path
 ) -> Loop:
     """A gateway and one worker over the session's services, with an IDE key to drive them."""
-    settings = Settings(
-        data_dir=root,
-        # The session's services, addressed as external ones, so nothing here starts them.
-        database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
-        kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
-        redis_url=f"redis://localhost:{stack.redis.port}/0",
-        base_model=model_dir,
-        vllm_urls=[vllm.url],
-        gateway_port=free_port(),
-    )
+    settings = external_settings(stack, vllm, model_dir, root)
     with session_scope(engine) as session:
         ensure_base_checkpoint(session, str(model_dir))
     loop = Loop(settings, engine, stack, make_key(engine, Role.ide), root)

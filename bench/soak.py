@@ -27,7 +27,7 @@ from sqlalchemy import func, select
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
-from app.embedded.process import free_port
+from app.embedded.process import free_port, process_tree
 from app.launcher import FullStack
 from app.models import FeedbackEventRow, Reward, Role, Sample
 from app.simulator.books import read_books
@@ -36,13 +36,9 @@ from app.simulator.run import simulate
 
 
 def tree_rss_mib(pid: int | None) -> float | None:
-    """Resident memory of a process and all its children, in MiB."""
-    if pid is None:
-        return None
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
+    """Resident memory of a process and all its children, in MiB; None when it is gone."""
+    processes = process_tree(pid) if pid is not None else []
+    if not processes:
         return None
     total = 0
     for process in processes:

@@ -95,16 +95,22 @@ def wait_for_port(
     raise ServiceError(f"{name} did not listen on {host}:{port} within {timeout:.0f} s")
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants; empty when it is gone."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def stop_pid(pid: int, *, timeout: float = 10.0) -> None:
     """SIGTERM the process group of `pid`, then SIGKILL whatever is left."""
     try:
         group = os.getpgid(pid)
     except ProcessLookupError:
         return
-    try:
-        members = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        members = []
+    members = process_tree(pid)
     with contextlib.suppress(ProcessLookupError, psutil.Error):
         os.killpg(group, signal.SIGTERM)
     _, alive = psutil.wait_procs(members, timeout=timeout)

@@ -18,6 +18,7 @@ from app.embedded.process import (
     ServiceError,
     log_tail,
     port_is_open,
+    process_tree,
     running_pid,
     start_detached,
     stop_pid,
@@ -219,7 +220,7 @@ class VllmServer:
         if pid is None and self.process is not None and self.process.poll() is None:
             pid = self.process.pid
         if pid is not None:
-            tree = _process_tree(pid)
+            tree = process_tree(pid)
             stop_pid(pid, timeout=timeout)
             left = [process.pid for process in tree if _alive(process)]
             if left:
@@ -228,14 +229,6 @@ class VllmServer:
             self.process.wait(timeout=5)
             self.process = None
         self.pid_file.unlink(missing_ok=True)
-
-
-def _process_tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
 
 
 def _alive(process: psutil.Process) -> bool:

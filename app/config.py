@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     """How long the gateway waits for a vLLM replica."""
 
     spool_memory_events: int = Field(default=10_000, ge=100)
-    """Events held in memory for Kafka; beyond that (or while Kafka is down) they go to disk."""
+    """Events held in memory while the disk spool refuses writes; beyond that the oldest go."""
 
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:

@@ -1,14 +1,17 @@
-"""The event sink: Kafka when it answers, a durable on-disk spool when it does not.
+"""The event sink: every event is written ahead to an on-disk spool, then sent to Kafka.
 
-`EventSink.publish` never blocks on Kafka: it appends to a bounded in-memory queue that a
-background thread drains into an idempotent kafka-python producer (acks=all). A message is
-spooled only when its send failed — never one the broker acknowledged — and everything
-spooled is replayed in order before anything newer is sent. The spool is a directory of
-append-only JSON-lines segments, fsynced per batch, with a cursor file saying how far the
-replay got, so a restarted gateway replays what its spool still holds.
+`EventSink.publish` appends the event to the spool's current segment (a write to the page
+cache, no fsync) before it returns, so an event the gateway has answered for survives the
+gateway's own crash, SIGKILL included. A background thread sends the spool to an idempotent
+kafka-python producer (acks=all) in order and in batches, fsyncing each batch first, and
+records how far Kafka acknowledged in a cursor file; while Kafka is unreachable the spool
+simply grows, and it drains in order once Kafka answers again. The spool is a directory of
+append-only JSON-lines segments; delivered segments are deleted.
 
-A send that timed out after the broker had in fact appended it is indistinguishable from
-one that never arrived; it is spooled and sent again, so consumers dedupe by `event_id`.
+Should the disk refuse a write, events wait in a bounded memory queue and are sent from
+there. A crash after Kafka acknowledged a batch but before the cursor moved sends that batch
+again, as does a send that timed out after the broker had in fact appended it; consumers
+dedupe by `event_id`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ BATCH_WINDOW_S = 0.2
 kafka-python milliseconds of CPU (and the GIL), so events go in batches, not one by one."""
 SEGMENT_BYTES = 16 * 1024 * 1024
 PROBE_INTERVAL_S = 1.0
+CLOSE_DRAIN_S = 5.0
+"""How long a stopping gateway keeps sending; what is left is sent at its next start."""
 CURSOR_FILE = "cursor.json"
 LOCK_FILE = "spool.lock"
 
@@ -101,6 +106,7 @@ class DiskSpool:
         self._mutex = threading.Lock()
         self._tail: IO[bytes] | None = None
         self._unsynced = False
+        self._directory_unsynced = False
         self._segments = sorted(self._segment_numbers())
         self._cursor = self._load_cursor()
         for number in [n for n in self._segments if n < self._cursor.segment]:
@@ -113,14 +119,14 @@ class DiskSpool:
 
     def close(self) -> None:
         with self._mutex:
-            if self._tail is not None:
-                self._sync_tail()
-                self._tail.close()
-                self._tail = None
+            self._close_tail()
+        if self._directory_unsynced:
+            _fsync_directory(self.directory)
         self._lock_file.close()
 
-    def append(self, envelopes: Sequence[Envelope], *, sync: bool = True) -> None:
-        """Append in order; with `sync`, fsync before returning."""
+    def append(self, envelopes: Sequence[Envelope]) -> None:
+        """Append in order, to the page cache: safe from a crash of this process at once,
+        and from a crash of the machine after the next `sync`."""
         if not envelopes:
             return
         data = b"".join(envelope.line() + b"\n" for envelope in envelopes)
@@ -129,8 +135,6 @@ class DiskSpool:
             tail.write(data)
             tail.flush()
             self._unsynced = True
-            if sync:
-                self._sync_tail()
             self.pending += len(envelopes)
             if tail.tell() >= SEGMENT_BYTES:
                 self._close_tail()
@@ -138,24 +142,43 @@ class DiskSpool:
             EVENTS_SPOOLED.labels(envelope.topic).inc()
 
     def sync(self) -> None:
-        """Make earlier unsynced appends durable."""
+        """Make earlier appends durable; appends go on meanwhile, as fsync runs unlocked."""
         with self._mutex:
-            self._sync_tail()
+            fd = os.dup(self._tail.fileno()) if self._tail is not None and self._unsynced else -1
+            self._unsynced = False
+            directory, self._directory_unsynced = self._directory_unsynced, False
+        if fd >= 0:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if directory:
+            _fsync_directory(self.directory)
 
     def read(self, limit: int) -> list[SpooledEnvelope]:
-        """Up to `limit` undelivered envelopes from the head segment, oldest first."""
-        with self._mutex:
-            while self._segments:
-                head = self._segments[0]
-                batch = self._read_segment(head, limit)
-                if batch or head == self._tail_number():
-                    return batch
-                # A finished segment that is no longer written to: move past it.
-                self._advance_to_next_segment()
-            return []
+        """Up to `limit` undelivered envelopes from the head segment, oldest first.
+
+        `read` and `acknowledge` belong to one thread, the only one that moves the cursor.
+        """
+        finished: list[int] = []
+        try:
+            while True:
+                with self._mutex:
+                    if not self._segments:
+                        return []
+                    head = self._segments[0]
+                    batch = self._read_segment(head, limit)
+                    if batch or head == self._tail_number():
+                        return batch
+                    # A finished segment that is no longer written to: move past it.
+                    finished.append(self._next_segment())
+        finally:
+            if finished:
+                self._forget(finished)
 
     def acknowledge(self, batch: Sequence[SpooledEnvelope], delivered: Sequence[bool]) -> None:
         """Record which of a `read` batch Kafka acknowledged, durably, before the next read."""
+        finished: list[int] = []
         with self._mutex:
             cursor = self._cursor
             in_prefix = True
@@ -174,13 +197,8 @@ class DiskSpool:
                 and head != self._tail_number()
                 and cursor.offset >= self._path(head).stat().st_size
             ):
-                self._advance_to_next_segment()
-            elif head is not None and self.pending == 0 and head == self._tail_number():
-                # Everything written so far is delivered: start the next one afresh.
-                self._close_tail()
-                self._advance_to_next_segment()
-            else:
-                self._save_cursor()
+                finished.append(self._next_segment())
+        self._forget(finished)
 
     # -- internals; callers hold self._mutex --------------------------------------------
 
@@ -204,7 +222,8 @@ class DiskSpool:
                 newest = max(-1 if last is None else last, self._cursor.segment - 1)
                 self._segments.append(newest + 1)
             self._tail = open(self._path(self._segments[-1]), "ab")  # noqa: SIM115
-            _fsync_directory(self.directory)
+            # Made durable by the next sync, which publishing never waits for.
+            self._directory_unsynced = True
         return self._tail
 
     def _close_tail(self) -> None:
@@ -241,11 +260,19 @@ class DiskSpool:
                 batch.append(SpooledEnvelope(envelope, number, start, position))
         return batch
 
-    def _advance_to_next_segment(self) -> None:
+    def _next_segment(self) -> int:
+        """Point the cursor past the head segment; returns the head, for `_forget`."""
         head = self._segments.pop(0)
         self._cursor = Cursor(segment=self._segments[0] if self._segments else head + 1)
+        return head
+
+    # -- the reader's, without the mutex: appends never wait on these fsyncs --------------
+
+    def _forget(self, finished: Sequence[int]) -> None:
+        """Save the cursor, then delete the segments it has moved past."""
         self._save_cursor()
-        self._remove_segment(head)
+        for number in finished:
+            self._path(number).unlink(missing_ok=True)
 
     def _remove_segment(self, number: int) -> None:
         self._path(number).unlink(missing_ok=True)
@@ -307,7 +334,7 @@ def _fsync_directory(directory: Path) -> None:
 
 
 class EventSink:
-    """Publishes events to Kafka from a background thread, spooling to disk what fails."""
+    """Publishes events to Kafka from a background thread, through the write-ahead spool."""
 
     def __init__(
         self,
@@ -337,6 +364,8 @@ class EventSink:
             **(producer_options or {}),
         }
         self._queue: deque[Envelope] = deque()
+        """Events the disk refused, oldest first; everything on disk is older."""
+        self._dropped = 0
         self._wakeup = threading.Condition()
         self._closing = False
         self._producer: KafkaProducer | None = None
@@ -347,7 +376,7 @@ class EventSink:
         SPOOL_DEPTH.labels("disk").set_function(lambda: self.disk.pending)
 
     def start(self) -> None:
-        """Connect and start draining, spooled events first; Kafka may be down."""
+        """Connect and start draining, what an earlier run spooled first; Kafka may be down."""
         self._thread.start()
 
     @property
@@ -357,36 +386,38 @@ class EventSink:
 
     @property
     def depth(self) -> dict[str, int]:
-        """Events waiting: in memory and on disk."""
+        """Events not yet acknowledged by Kafka: on disk, and in memory if the disk refused."""
         return {"memory": len(self._queue), "disk": self.disk.pending}
 
     def publish(self, topic: str, key: str, event: BaseModel) -> None:
-        """Queue an event for Kafka; never blocks on the broker."""
+        """Spool an event for Kafka; never blocks on the broker."""
         self.publish_encoded(Envelope(topic, key, encode(event)))
 
     def publish_encoded(self, envelope: Envelope) -> None:
-        """Queue an already encoded event; spills the queue to disk when it is full."""
+        """Spool an already encoded event; on return it survives this process's crash."""
         with self._wakeup:
-            if len(self._queue) < self.memory_events and not self._closing:
-                self._queue.append(envelope)
-                # Wake the drain thread only to start or fill a batch: each wake costs GIL.
-                if len(self._queue) == 1 or len(self._queue) == BATCH_EVENTS:
-                    self._wakeup.notify()
-                return
-            # Full (or closing): move the queue behind the spool, in order, without waiting
-            # on fsync here; the drain thread, or close(), syncs.
-            spilled = [*self._queue, envelope]
-            self._queue.clear()
-            try:
-                self.disk.append(spilled, sync=False)
-            except OSError:
-                # Neither memory nor disk can take more; the oldest events go first.
-                log.exception("event spool unwritable; dropping %d events", len(spilled))
-                EVENTS_DROPPED.inc(len(spilled))
+            if not self._queue:
+                try:
+                    self.disk.append([envelope])
+                except OSError:
+                    log.exception("event spool unwritable; holding events in memory")
+                else:
+                    # Wake the drain thread only to start or fill a batch: each wake costs GIL.
+                    if self.disk.pending in (1, BATCH_EVENTS):
+                        self._wakeup.notify()
+                    return
+            # Behind events the disk refused, in memory, in order; the oldest go when full.
+            if len(self._queue) >= self.memory_events:
+                self._queue.popleft()
+                if not self._dropped % 1_000:
+                    log.error("event spool unwritable and memory full; dropping the oldest")
+                self._dropped += 1
+                EVENTS_DROPPED.inc()
+            self._queue.append(envelope)
             self._wakeup.notify()
 
     def close(self, timeout_s: float = 20.0) -> None:
-        """Deliver or spool what is queued, then stop; the spool keeps the rest."""
+        """Deliver what Kafka takes within a few seconds, then stop; the spool keeps the rest."""
         with self._wakeup:
             self._closing = True
             self._wakeup.notify()
@@ -397,9 +428,10 @@ class EventSink:
             return
         self._close_producer(timeout_s=2.0)
         with self._wakeup:
-            # Published while closing, after the drain thread's last round.
-            self._spool(list(self._queue))
-            self._queue.clear()
+            self._move_queue_to_disk()
+            if self._queue:
+                log.error("event spool unwritable; %d events lost at shutdown", len(self._queue))
+                EVENTS_DROPPED.inc(len(self._queue))
         self.disk.close()
 
     # -- the drain thread -----------------------------------------------------------------
@@ -408,61 +440,64 @@ class EventSink:
         self._connect()
         while True:
             with self._wakeup:
-                if not self._queue and not self._closing and self._idle():
+                if not self._closing and self._idle():
                     self._wakeup.wait(timeout=self._idle_wait())
                 deadline = time.monotonic() + BATCH_WINDOW_S
-                while 0 < len(self._queue) < BATCH_EVENTS and not self._closing:
+                while (
+                    0 < self._waiting() < BATCH_EVENTS
+                    and not self._closing
+                    and not self._broker_down
+                ):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._wakeup.wait(timeout=left)
                 closing = self._closing
-                batch = [self._queue.popleft() for _ in range(min(BATCH_EVENTS, len(self._queue)))]
             try:
                 if closing:
-                    self._finish(batch)
+                    self._finish()
                     return
-                self._drain(batch)
+                self._drain()
             except Exception:
                 # Only a bug or a broken disk lands here; whatever was spooled stays spooled.
                 log.exception("event sink round failed")
                 self._mark_down()
 
+    def _waiting(self) -> int:
+        return self.disk.pending + len(self._queue)
+
     def _idle(self) -> bool:
-        return self.disk.pending == 0 or (self._broker_down and time.monotonic() < self._next_probe)
+        return self._waiting() == 0 or (self._broker_down and time.monotonic() < self._next_probe)
 
     def _idle_wait(self) -> float:
-        if self.disk.pending and self._broker_down:
+        if self._waiting() and self._broker_down:
             return max(self._next_probe - time.monotonic(), 0.01)
         return 1.0
 
-    def _drain(self, batch: list[Envelope]) -> None:
-        self.disk.sync()
-        if self.disk.pending or self._broker_down:
-            # Newer events wait behind the spool, so Kafka sees them in order.
-            self._spool(batch)
-            if self._broker_down and not self._probe():
-                return
-            self._replay()
-        elif batch:
-            self._deliver(batch)
-
-    def _deliver(self, batch: list[Envelope]) -> None:
-        outcome = self._send(batch)
-        failed = [envelope for envelope, ok in zip(batch, outcome, strict=True) if not ok]
-        if failed:
-            self._mark_down()
-            self._spool(failed)
-
-    def _spool(self, envelopes: list[Envelope]) -> None:
-        """Write to disk; if the disk refuses, keep them in memory, first in line."""
+    def _drain(self) -> None:
+        """One round: spool what waits in memory, then send a batch if Kafka answers."""
+        with self._wakeup:
+            self._move_queue_to_disk()
         try:
-            self.disk.append(envelopes)
+            self.disk.sync()
         except OSError:
-            log.exception("event spool unwritable; keeping %d events in memory", len(envelopes))
-            with self._wakeup:
-                self._queue.extendleft(reversed(envelopes))
-            time.sleep(PROBE_INTERVAL_S)
+            log.exception("event spool could not be synced")
+        if self._broker_down and not self._probe():
+            return
+        if self.disk.pending:
+            self._replay()
+        elif self._queue:
+            self._deliver_from_memory()
+
+    def _move_queue_to_disk(self) -> None:
+        """Behind what the disk holds, in order; the caller holds self._wakeup."""
+        if self._queue:
+            try:
+                self.disk.append(list(self._queue))
+            except OSError:
+                return
+            self._queue.clear()
+            log.info("event spool writable again")
 
     def _replay(self) -> None:
         spooled = self.disk.read(BATCH_EVENTS)
@@ -472,17 +507,23 @@ class EventSink:
         self.disk.acknowledge(spooled, outcome)
         if not all(outcome):
             self._mark_down()
-        elif self.disk.pending == 0:
-            log.info("event spool replayed; sending directly again")
 
-    def _finish(self, batch: list[Envelope]) -> None:
+    def _deliver_from_memory(self) -> None:
+        """While the disk refuses writes: send from memory; what fails stays first in line."""
         with self._wakeup:
-            batch += list(self._queue)
-            self._queue.clear()
-        if batch and not self._broker_down and not self.disk.pending:
-            self._deliver(batch)
-        else:
-            self._spool(batch)
+            batch = [self._queue.popleft() for _ in range(min(BATCH_EVENTS, len(self._queue)))]
+        outcome = self._send(batch)
+        failed = [envelope for envelope, ok in zip(batch, outcome, strict=True) if not ok]
+        if failed:
+            self._mark_down()
+            with self._wakeup:
+                self._queue.extendleft(reversed(failed))
+
+    def _finish(self) -> None:
+        """At shutdown: send what Kafka takes within a few seconds; the rest stays spooled."""
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        while self._waiting() and not self._broker_down and time.monotonic() < deadline:
+            self._drain()
         self.disk.sync()
 
     def _send(self, batch: Sequence[Envelope]) -> list[bool]:
@@ -498,7 +539,7 @@ class EventSink:
                 )
             except Exception as exc:
                 # Not queued (no metadata, buffer full): a definite failure, as is the rest.
-                log.warning("Kafka refused a send (%s); spooling", exc)
+                log.warning("Kafka refused a send (%s); it stays spooled", exc)
                 break
         with contextlib.suppress(Exception):
             producer.flush(timeout=self._delivery_timeout_s + 5)
@@ -518,7 +559,11 @@ class EventSink:
         try:
             self._producer = KafkaProducer(**self._producer_options)
         except (KafkaError, OSError) as exc:
-            log.warning("Kafka unreachable at %s (%s); spooling", self.bootstrap_servers, exc)
+            log.warning(
+                "Kafka unreachable at %s (%s); events wait in the spool",
+                self.bootstrap_servers,
+                exc,
+            )
             self._mark_down()
             return None
         if self._broker_down:
@@ -537,7 +582,7 @@ class EventSink:
 
     def _mark_down(self) -> None:
         if not self._broker_down:
-            log.warning("Kafka unavailable; spooling events to %s", self.disk.directory)
+            log.warning("Kafka unavailable; events wait in the spool at %s", self.disk.directory)
         self._broker_down = True
         self._next_probe = time.monotonic() + PROBE_INTERVAL_S
         # A fresh producer after an outage: a restarted broker may not know the old

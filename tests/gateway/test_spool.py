@@ -1,4 +1,4 @@
-"""The event sink: Kafka when it answers, a durable spool when not, each event exactly once."""
+"""The event sink: every event written ahead to a durable spool, then to Kafka, exactly once."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.1)
 
 
-def test_a_restarted_gateway_replays_its_spool_exactly_once_with_bounded_memory(
+def test_a_restarted_gateway_replays_its_spool_exactly_once_with_nothing_in_memory(
     stack: EmbeddedStack, tmp_path: Path
 ) -> None:
     topic = f"test.spool.{uuid.uuid4().hex[:8]}"
@@ -125,13 +125,11 @@ def test_a_restarted_gateway_replays_its_spool_exactly_once_with_bounded_memory(
     dead_kafka = f"127.0.0.1:{free_port()}"
     offline = EventSink(dead_kafka, tmp_path, memory_events=100)
     offline.start()
-    peak_memory = 0
-    for envelope in envelopes(1_000, topic=topic):
+    for n, envelope in enumerate(envelopes(1_000, topic=topic), start=1):
         offline.publish_encoded(envelope)
-        peak_memory = max(peak_memory, offline.depth["memory"])
-    wait_until(lambda: offline.depth["memory"] == 0, 10, "the queue to reach the disk")
+        # Written ahead: on disk when publish returns, so a crash right now loses nothing.
+        assert offline.depth == {"memory": 0, "disk": n}
     offline.close()
-    assert peak_memory <= 100
     assert DiskSpool(tmp_path).pending == 1_000  # and the lock was released
 
     online = EventSink(stack.kafka.url, tmp_path)
@@ -144,6 +142,39 @@ def test_a_restarted_gateway_replays_its_spool_exactly_once_with_bounded_memory(
 
     values = read_topic(stack.kafka.url, topic, expected=1_005)
     assert values == [envelope.value for envelope in envelopes(1_005, topic=topic)]
+
+
+def test_a_disk_that_refuses_writes_holds_events_in_memory_in_order(
+    stack: EmbeddedStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    topic = f"test.spool.{uuid.uuid4().hex[:8]}"
+    ensure_topics(stack.kafka.url, {topic: 1})
+    sink = EventSink(stack.kafka.url, tmp_path, memory_events=100)
+    first, held, later = (
+        envelopes(10, topic=topic),
+        envelopes(150, 10, topic),
+        envelopes(5, 160, topic),
+    )
+    for envelope in first:
+        sink.publish_encoded(envelope)  # on disk; the sink is not sending yet
+
+    def disk_full(batch: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sink.disk, "append", disk_full)
+    for envelope in held:
+        sink.publish_encoded(envelope)
+    assert sink.depth == {"memory": 100, "disk": 10}  # the oldest 50 of those were dropped
+    sink.start()  # the disk's events go first, then memory's, while the disk still refuses
+    wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 30, "the held events to be sent")
+    monkeypatch.undo()  # the disk has room again
+    for envelope in later:
+        sink.publish_encoded(envelope)
+    wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 30, "the later events")
+    sink.close()
+
+    values = read_topic(stack.kafka.url, topic, expected=115)
+    assert values == [e.value for e in first + held[50:] + later]
 
 
 def test_events_produced_while_kafka_is_down_arrive_exactly_once(

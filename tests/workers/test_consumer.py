@@ -129,9 +129,17 @@ def send_shuffled(publish: Any, plan: Scenario, seed: int) -> None:
     publish(*stream, *endings, *endings)
 
 
-def components_match(read_rewards: Any, prefix: str, plan: Scenario) -> bool:
+def settled(read_rewards: Any, prefix: str, plan: Scenario) -> bool:
+    """Every reward has its components, and every ended session's rewards are final.
+
+    The endings are sent last and leave the components alone, so components alone can match
+    while the last endings are still in flight.
+    """
     found = read_rewards(prefix)
-    return {k: r.components for k, r in found.items()} == plan.expected
+    ended = {e.request_id for e in plan.feedback if e.kind == "session_end"}
+    return {k: r.components for k, r in found.items()} == plan.expected and {
+        k for k, r in found.items() if r.finalize_reason == "session_end"
+    } == ended
 
 
 def assert_exactly_once(worker_engine: Engine, read_rewards: Any, prefix: str, plan: Scenario):
@@ -182,7 +190,7 @@ def test_duplicated_out_of_order_events_yield_one_reward_each(
     send_shuffled(publish, plan, seed=1)
     worker_thread()
 
-    wait_for(lambda: components_match(read_rewards, events.prefix, plan), 60, "all rewards")
+    wait_for(lambda: settled(read_rewards, events.prefix, plan), 60, "all rewards")
     assert_exactly_once(worker_engine, read_rewards, events.prefix, plan)
 
 
@@ -285,7 +293,7 @@ def test_a_worker_killed_mid_stream_and_restarted_loses_and_duplicates_nothing(
     worker_processes.append(
         start_worker_process(worker_config, tmp_path / "second.log", max_records=20)
     )
-    wait_for(lambda: components_match(read_rewards, events.prefix, plan), 90, "all rewards")
+    wait_for(lambda: settled(read_rewards, events.prefix, plan), 90, "all rewards")
     assert_exactly_once(worker_engine, read_rewards, events.prefix, plan)
 
 
@@ -317,6 +325,6 @@ def test_two_workers_share_the_partitions_and_lose_and_duplicate_nothing(
         first_wave.feedback + second_wave.feedback,
         first_wave.expected | second_wave.expected,
     )
-    wait_for(lambda: components_match(read_rewards, events.prefix, plan), 90, "all rewards")
+    wait_for(lambda: settled(read_rewards, events.prefix, plan), 90, "all rewards")
     assert_exactly_once(worker_engine, read_rewards, events.prefix, plan)
     assert all("batch of" in log.read_text() for log in logs), "a worker stayed idle"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,7 +25,6 @@ import orjson
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
-from starlette.background import BackgroundTask
 
 from app.auth.dependencies import require_role
 from app.auth.schemas import Principal
@@ -85,18 +83,10 @@ async def chat_completions(
         chunks, assignment = await gateway.open_stream(call, assignment)
         headers = _served_headers(assignment.checkpoint, _SSE_HEADERS)
         return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-    content, assignment, log_sample = await gateway.complete(call, assignment)
+    content, assignment = await gateway.complete(call, assignment)
     return Response(
-        content,
-        media_type="application/json",
-        headers=_served_headers(assignment.checkpoint),
-        background=BackgroundTask(_run_soon, log_sample),
+        content, media_type="application/json", headers=_served_headers(assignment.checkpoint)
     )
-
-
-async def _run_soon(work: Callable[[], None]) -> None:
-    # Async, so Starlette runs it on the event loop instead of handing it to a thread.
-    work()
 
 
 def _served_headers(checkpoint: str, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -7,11 +7,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -226,11 +225,12 @@ class Gateway:
         body["return_token_ids"] = True
         return body
 
-    async def complete(
-        self, call: ChatCall, assignment: Assignment
-    ) -> tuple[bytes, Assignment, Callable[[], None]]:
-        """A non-streaming completion: the client's body, who served it, and the logging of
-        the sample, to run once the client has its answer."""
+    async def complete(self, call: ChatCall, assignment: Assignment) -> tuple[bytes, Assignment]:
+        """A non-streaming completion: the client's body and who served it.
+
+        The sample is logged (written ahead to the spool) before the client has its answer,
+        so a gateway that dies the moment after answering has not lost it.
+        """
         reply, assignment = await self._alongside(call, self._post(call, assignment))
         now = time.perf_counter()
         data = orjson.loads(reply.body)
@@ -240,7 +240,8 @@ class Gateway:
             record.add_choice(choices[0], message_key="message", now=now)
         record.prompt_token_ids = data.get("prompt_token_ids")
         body = orjson.dumps(self._client_view(call, data))
-        return body, assignment, partial(self._log_completion, call, assignment, record)
+        self._log_completion(call, assignment, record)
+        return body, assignment
 
     async def _post(
         self, call: ChatCall, assignment: Assignment
@@ -306,12 +307,17 @@ class Gateway:
         stack: AsyncExitStack,
     ) -> AsyncIterator[bytes]:
         record = CompletionRecord()
+        logged = False
         try:
             async for line in response.lines():
                 if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
+                    # Logged before the client learns the stream is complete.
+                    record.finished_at = time.perf_counter()
+                    self._log_completion(call, assignment, record)
+                    logged = True
                     yield b"data: [DONE]\n\n"
                     continue
                 chunk = orjson.loads(payload)
@@ -331,10 +337,11 @@ class Gateway:
             yield b"data: " + orjson.dumps({"error": error | {"param": None, "code": None}})
             yield b"\n\n"
         finally:
-            record.finished_at = time.perf_counter()
-            if record.finish_reason is None and record.error is None:
-                record.finish_reason = "cancelled"
-            self._log_completion(call, assignment, record)
+            if not logged:
+                record.finished_at = time.perf_counter()
+                if record.finish_reason is None and record.error is None:
+                    record.finish_reason = "cancelled"
+                self._log_completion(call, assignment, record)
             # The client may have gone: close the upstream even inside a cancelled scope.
             with anyio.CancelScope(shield=True):
                 await stack.aclose()

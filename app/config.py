@@ -74,6 +74,10 @@ class Settings(BaseSettings):
     reward_grace: timedelta = timedelta(minutes=2)
     """How long past the survival horizon a reward waits for late reports before the sweep."""
 
+    guardrail_interval: timedelta | None = None
+    """How often workers test running canaries against their guardrails and roll back the
+    harmful ones (seconds or ISO 8601); unset: only when ops ask (`/admin/guardrails/check`)."""
+
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
 
@@ -142,9 +146,13 @@ class Settings(BaseSettings):
             return [str(url).rstrip("/") for url in value]
         return value
 
-    @field_validator("train_interval", "survival_horizon", "reward_grace", mode="before")
+    @field_validator(
+        "train_interval", "survival_horizon", "reward_grace", "guardrail_interval", mode="before"
+    )
     @classmethod
     def _seconds(cls, value: object) -> object:
+        if value == "":
+            return None
         if isinstance(value, str):
             try:
                 return float(value)
@@ -152,10 +160,10 @@ class Settings(BaseSettings):
                 return value
         return value
 
-    @field_validator("train_interval", "survival_horizon", "reward_grace")
+    @field_validator("train_interval", "survival_horizon", "reward_grace", "guardrail_interval")
     @classmethod
-    def _positive(cls, value: timedelta) -> timedelta:
-        if value <= timedelta(0):
+    def _positive(cls, value: timedelta | None) -> timedelta | None:
+        if value is not None and value <= timedelta(0):
             raise ValueError("must be a positive duration")
         return value
 

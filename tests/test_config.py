@@ -24,6 +24,7 @@ def test_defaults_point_at_the_embedded_stack() -> None:
     assert settings.vllm_urls == ["http://127.0.0.1:18000"]
     assert settings.train_interval == timedelta(hours=5)
     assert settings.survival_horizon == timedelta(minutes=15)
+    assert settings.guardrail_interval is None  # guardrails roll back only when ops ask
     assert settings.base_model_path == Path("./var/models/base")
 
 
@@ -33,12 +34,14 @@ def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RTRL_VLLM_URLS", "http://vllm-0:8000, http://vllm-1:8000/")
     monkeypatch.setenv("RTRL_TRAIN_INTERVAL", "PT30M")
     monkeypatch.setenv("RTRL_SURVIVAL_HORIZON", "600")
+    monkeypatch.setenv("RTRL_GUARDRAIL_INTERVAL", "PT1M")
     monkeypatch.setenv("RTRL_EMBEDDED_REDIS_PORT", "16400")
     settings = load_settings()
     assert settings.database_url == "postgresql+psycopg://app@db.internal/rtrl"
     assert settings.vllm_urls == ["http://vllm-0:8000", "http://vllm-1:8000"]
     assert settings.train_interval == timedelta(minutes=30)
     assert settings.survival_horizon == timedelta(minutes=10)
+    assert settings.guardrail_interval == timedelta(minutes=1)
     assert settings.redis_url == "redis://127.0.0.1:16400/0"
     assert settings.base_model_path == Path("/srv/rtrl/models/base")
 
@@ -53,6 +56,7 @@ def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
         ("RTRL_TRAIN_INTERVAL", "five hours"),
         ("RTRL_TRAIN_INTERVAL", "-60"),
         ("RTRL_SURVIVAL_HORIZON", "0"),
+        ("RTRL_GUARDRAIL_INTERVAL", "0"),
         ("RTRL_EMBEDDED_POSTGRES_PORT", "70000"),
     ],
 )

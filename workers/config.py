@@ -46,6 +46,8 @@ class WorkerConfig:
     """Seconds between reward-hacking monitor checks inside the worker loop; None: never."""
     monitor_window: timedelta = timedelta(hours=1)
     """The monitors compare canary and control over this trailing window."""
+    guardrail_interval_s: float | None = None
+    """Seconds between guardrail checks that roll back harmful canaries; None: never."""
 
     @property
     def horizon_s(self) -> float:
@@ -63,5 +65,8 @@ class WorkerConfig:
             reward_version=settings.reward_version,
             latency_budget_ms=settings.latency_budget_ms,
             finalization_grace=settings.reward_grace,
+            guardrail_interval_s=(
+                settings.guardrail_interval.total_seconds() if settings.guardrail_interval else None
+            ),
         )
         return dataclasses.replace(configured, **overrides)

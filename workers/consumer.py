@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
+from app.analytics.guardrails import check_guardrails
 from app.config import Settings
 from app.events import DeadLetter, decode_completion, decode_feedback, encode
 from workers.config import WorkerConfig
@@ -307,7 +308,8 @@ def run_worker(
     stop_event: threading.Event | None = None,
     config: WorkerConfig | None = None,
 ) -> None:
-    """Consume completions and feedback until `stop_event` is set; sweep and monitor meanwhile."""
+    """Consume completions and feedback until `stop_event` is set; sweep, monitor and check the
+    guardrails meanwhile."""
     config = config or WorkerConfig.from_settings(settings)
     reward_weights(config.reward_version)  # an unknown version fails here, not mid-stream
     tune_gc()
@@ -324,7 +326,7 @@ def run_worker(
             config.feedback_topic,
             config.group_id,
         )
-        last_sweep = last_monitor = time.monotonic()
+        last_sweep = last_monitor = last_guardrails = time.monotonic()
         while not stop_event.is_set():
             caught_up = consume_batch(consumer, producer, engine, config, stop_event) < (
                 config.max_records
@@ -340,6 +342,12 @@ def run_worker(
                 _run_safely(
                     "monitors",
                     lambda: check_running_experiments(engine, window_length=config.monitor_window),
+                )
+            if _due(config.guardrail_interval_s, last_guardrails, now):
+                last_guardrails = now
+                _run_safely(
+                    "guardrails",
+                    lambda: check_guardrails(engine, rollback=True, redis_url=settings.redis_url),
                 )
     finally:
         consumer.close(autocommit=False)

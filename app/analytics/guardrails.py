@@ -1,4 +1,5 @@
-"""Guardrails: roll back a canary that is significantly worse than control, checked at will.
+"""Guardrails: roll back a canary that is significantly worse than control, checked at will
+(`POST /admin/guardrails/check`) and, with `RTRL_GUARDRAIL_INTERVAL` set, by every worker.
 
 A fixed-horizon test looked at again and again raises false alarms (peeking), so each
 guardrail uses the mixture sequential probability ratio test (mSPRT) with a normal mixing
@@ -28,7 +29,7 @@ from pydantic import BaseModel
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from app.admin.service import Actor, rollback_canary
+from app.admin.service import Actor, lock_routing, rollback_canary
 from app.analytics.repository import ArmSummary, arm_summaries_sync
 from app.analytics.rollups import refresh_rollups
 from app.gateway.assignment import notify_routing_changed_sync
@@ -132,8 +133,11 @@ def check_guardrails_in(session: Session, *, rollback: bool = False) -> list[Gua
     """Test every running canary against its control; roll back the harmful ones if asked.
 
     Runs in the caller's transaction (the rollbacks and their audit entries included); the
-    caller commits and announces the routing change.
+    caller commits and announces the routing change. Rolling back takes the routing lock
+    first, so checks by several workers and ops run one after another on fresh state.
     """
+    if rollback:
+        lock_routing(session)
     refresh_rollups(session.connection())
     alpha = FAMILY_ALPHA / len(GUARDRAILS)
     arms = session.execute(
@@ -208,7 +212,7 @@ def check_guardrails(
 ) -> list[GuardrailDecision]:
     """Check every running canary; roll back the harmful ones (audited as "guardrails").
 
-    For a worker or trainer loop to call every few minutes. With `redis_url`, gateways are
+    The workers call it every `RTRL_GUARDRAIL_INTERVAL`. With `redis_url`, gateways are
     told at once; otherwise they pick the change up on their refresh timer.
     """
     with Session(engine, expire_on_commit=False) as session, session.begin():

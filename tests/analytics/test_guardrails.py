@@ -1,9 +1,13 @@
-"""Guardrails: a harmful canary is rolled back (audited as "guardrails"), a harmless one is
-left alone, and checking as often as we like does not inflate false alarms."""
+"""Guardrails: a harmful canary is rolled back (audited as "guardrails"), by ops or by the
+workers on their own, a harmless one is left alone, and checking as often as we like does not
+inflate false alarms."""
 
 from __future__ import annotations
 
 import math
+import threading
+import time
+import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -13,9 +17,14 @@ from scipy import stats
 from sqlalchemy import Engine, select
 
 from app.analytics.guardrails import FAMILY_ALPHA, GUARDRAILS, check_guardrails, confidence_sequence
+from app.config import Settings
 from app.db import session_scope
+from app.embedded.kafka import ensure_topics
+from app.embedded.stack import EmbeddedStack
 from app.models import AuditEntry, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
 from tests.analytics.conftest import Behaviour, SeededArm
+from workers.config import WorkerConfig
+from workers.consumer import run_worker
 
 Seeder = Callable[..., tuple[int, pd.DataFrame]]
 
@@ -61,6 +70,58 @@ def test_a_canary_with_more_dissatisfied_users_is_rolled_back(
         assert entry is not None and entry.actor == "guardrails" and entry.actor_key_id is None
         assert entry.before == {"checkpoint": {"name": "gr-bad", "status": "canary"}}
         assert entry.after is not None and "dissatisfied_rate" in entry.after["reason"]
+
+
+def test_workers_with_a_guardrail_interval_roll_back_a_harmful_canary_on_their_own(
+    seeder: Seeder, app_engine: Engine, app_settings: Settings, stack: EmbeddedStack
+) -> None:
+    harmful, _ = seeder(
+        [
+            SeededArm("control", "gw-base", 5_000, Behaviour(users=300), is_control=True),
+            SeededArm("canary", "gw-slow", 5_000, Behaviour(users=300, latency_median_ms=900.0)),
+        ],
+        seed=33,
+    )
+    suffix = uuid.uuid4().hex[:8]
+    config = WorkerConfig(
+        completions_topic=f"test.completions.{suffix}",
+        feedback_topic=f"test.feedback.{suffix}",
+        dlq_topic=f"test.dlq.{suffix}",
+        group_id=f"test-guardrails-{suffix}",
+        sweep_interval_s=None,
+        monitor_interval_s=None,
+        guardrail_interval_s=0.5,
+    )
+    ensure_topics(
+        stack.kafka.url,
+        {config.completions_topic: 2, config.feedback_topic: 2, config.dlq_topic: 1},
+    )
+    stop = threading.Event()
+    worker = threading.Thread(
+        target=run_worker, args=(app_settings,), kwargs={"stop_event": stop, "config": config}
+    )
+    worker.start()
+
+    def status() -> CheckpointStatus:
+        with session_scope(app_engine) as session:
+            checkpoint = session.scalar(select(Checkpoint).where(Checkpoint.name == "gw-slow"))
+            assert checkpoint is not None
+            return checkpoint.status
+
+    try:
+        deadline = time.monotonic() + 60
+        while status() == CheckpointStatus.canary and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        worker.join(timeout=30)
+
+    assert status() == CheckpointStatus.rolled_back
+    with session_scope(app_engine) as session:
+        assert session.get(Experiment, harmful).status == ExperimentStatus.stopped  # type: ignore[union-attr]
+        entry = session.scalar(select(AuditEntry).where(AuditEntry.target == "checkpoint:gw-slow"))
+        assert entry is not None and entry.actor == "guardrails"
+        assert "latency_mean_ms" in entry.after["reason"]  # type: ignore[index]
 
 
 def test_the_confidence_sequence_is_where_the_mixture_likelihood_ratio_reaches_one_over_alpha() -> (

@@ -165,6 +165,14 @@ def kill(process: RtrlProcess) -> None:
     process.pid_file.unlink(missing_ok=True)
 
 
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.2)
+
+
 def open_loop(
     engine: Engine, stack: EmbeddedStack, vllm: VllmServer, model_dir: Path, root: Path
 ) -> Loop:

@@ -22,7 +22,7 @@ from app.models import Checkpoint, Experiment, Role, Sample, TrainingRun, Traini
 from app.serving.checkpoints import publish_checkpoint, reconcile
 from app.serving.replicas import served_adapters
 from app.serving.vllm import VllmServer
-from tests.reliability.conftest import Loop, kill, make_key
+from tests.reliability.conftest import Loop, kill, make_key, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +36,9 @@ def test_a_broker_outage_is_spooled_and_delivered_exactly_once(loop: Loop) -> No
     loop.stack.kafka.stop()
     during = loop.traffic(seed=2).result()
     assert during.requests_failed == 0 and during.feedback_batches_failed == 0
-    ready = loop.ready()
-    assert ready["kafka_connected"] is False
-    assert ready["spooled_events"]["disk"] > 0, ready
+    # Readiness tells once the first send to the stopped broker has timed out (8 s).
+    wait_until(lambda: loop.ready()["kafka_connected"] is False, 30, "readiness to report Kafka")
+    assert loop.ready()["spooled_events"]["disk"] > 0
 
     loop.stack.kafka.start()
     # The embedded broker also forgot the worker's group and committed offsets, and its

@@ -31,6 +31,7 @@ def sample_from_vllm(
             "model": model,
             "prompt": PROMPTS,
             "max_tokens": 48,
+            "ignore_eos": True,  # every completion 48 tokens long, however the model behaves
             "temperature": 1.0,
             "logprobs": 0,
             "return_token_ids": True,
@@ -50,6 +51,7 @@ def sample_from_vllm(
             "model": model,
             "messages": [{"role": "user", "content": "add a test for the bug"}],
             "max_tokens": 48,
+            "ignore_eos": True,
             "logprobs": True,
             "return_token_ids": True,
             "seed": 11,

@@ -307,7 +307,6 @@ class Gateway:
         stack: AsyncExitStack,
     ) -> AsyncIterator[bytes]:
         record = CompletionRecord()
-        logged = False
         try:
             async for line in response.lines():
                 if not line.startswith(b"data:"):
@@ -315,9 +314,7 @@ class Gateway:
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     # Logged before the client learns the stream is complete.
-                    record.finished_at = time.perf_counter()
-                    self._log_completion(call, assignment, record)
-                    logged = True
+                    self._log_stream_end(call, assignment, record)
                     yield b"data: [DONE]\n\n"
                     continue
                 chunk = orjson.loads(payload)
@@ -337,11 +334,8 @@ class Gateway:
             yield b"data: " + orjson.dumps({"error": error | {"param": None, "code": None}})
             yield b"\n\n"
         finally:
-            if not logged:
-                record.finished_at = time.perf_counter()
-                if record.finish_reason is None and record.error is None:
-                    record.finish_reason = "cancelled"
-                self._log_completion(call, assignment, record)
+            if record.finished_at is None:  # ended without [DONE]
+                self._log_stream_end(call, assignment, record)
             # The client may have gone: close the upstream even inside a cancelled scope.
             with anyio.CancelScope(shield=True):
                 await stack.aclose()
@@ -397,6 +391,15 @@ class Gateway:
             raise Unserved(status, message, param=param)
         self._log_failure(call, assignment, f"upstream {status}: {message}")
         raise ApiError(502, f"The model server failed: {message}", type="api_error")
+
+    def _log_stream_end(
+        self, call: ChatCall, assignment: Assignment, record: CompletionRecord
+    ) -> None:
+        """Log a relayed stream once: at its `[DONE]`, or however else it stopped."""
+        record.finished_at = time.perf_counter()
+        if record.finish_reason is None and record.error is None:
+            record.finish_reason = "cancelled"
+        self._log_completion(call, assignment, record)
 
     def _log_failure(self, call: ChatCall, assignment: Assignment, error: str) -> None:
         record = CompletionRecord(error=error[:2000], finished_at=time.perf_counter())

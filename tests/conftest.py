@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,11 +18,13 @@ from transformers import LlamaForCausalLM
 
 from app.config import Settings, get_settings
 from app.db import make_engine, session_scope
+from app.embedded.kafka import ensure_topics
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
 from trainer.bootstrap import BootstrapConfig, bootstrap_model
+from workers.config import WorkerConfig
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +106,33 @@ def external_settings(
         vllm_urls=[vllm.url],
         gateway_port=free_port(),
     )
+
+
+def fresh_worker_config(kafka_url: str, partitions: int = 4, **overrides: Any) -> WorkerConfig:
+    """Topics and a consumer group of one test's own (created here), short group timeouts,
+    no housekeeping unless `overrides` (by field name) turn some on."""
+    suffix = uuid.uuid4().hex[:10]
+    config = WorkerConfig(
+        completions_topic=f"test.completions.{suffix}",
+        feedback_topic=f"test.feedback.{suffix}",
+        dlq_topic=f"test.dlq.{suffix}",
+        group_id=f"test-workers-{suffix}",
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=1000,
+        poll_timeout_ms=200,
+        sweep_interval_s=None,
+        monitor_interval_s=None,
+        **overrides,
+    )
+    ensure_topics(
+        kafka_url,
+        {
+            config.completions_topic: partitions,
+            config.feedback_topic: partitions,
+            config.dlq_topic: 1,
+        },
+    )
+    return config
 
 
 def build_random_lora(model_dir: Path, adapter_dir: Path, seed: int = 1) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -19,11 +18,10 @@ from sqlalchemy import Engine, select
 from app.analytics.guardrails import FAMILY_ALPHA, GUARDRAILS, check_guardrails, confidence_sequence
 from app.config import Settings
 from app.db import session_scope
-from app.embedded.kafka import ensure_topics
 from app.embedded.stack import EmbeddedStack
 from app.models import AuditEntry, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
 from tests.analytics.conftest import Behaviour, SeededArm
-from workers.config import WorkerConfig
+from tests.conftest import fresh_worker_config
 from workers.consumer import run_worker
 
 Seeder = Callable[..., tuple[int, pd.DataFrame]]
@@ -82,20 +80,7 @@ def test_workers_with_a_guardrail_interval_roll_back_a_harmful_canary_on_their_o
         ],
         seed=33,
     )
-    suffix = uuid.uuid4().hex[:8]
-    config = WorkerConfig(
-        completions_topic=f"test.completions.{suffix}",
-        feedback_topic=f"test.feedback.{suffix}",
-        dlq_topic=f"test.dlq.{suffix}",
-        group_id=f"test-guardrails-{suffix}",
-        sweep_interval_s=None,
-        monitor_interval_s=None,
-        guardrail_interval_s=0.5,
-    )
-    ensure_topics(
-        stack.kafka.url,
-        {config.completions_topic: 2, config.feedback_topic: 2, config.dlq_topic: 1},
-    )
+    config = fresh_worker_config(stack.kafka.url, guardrail_interval_s=0.5)
     stop = threading.Event()
     worker = threading.Thread(
         target=run_worker, args=(app_settings,), kwargs={"stop_event": stop, "config": config}

@@ -13,7 +13,6 @@ import pytest
 from kafka import KafkaProducer
 from sqlalchemy import Connection, Engine, select
 
-from app.embedded.kafka import ensure_topics
 from app.embedded.stack import EmbeddedStack
 from app.events import (
     CompletionEvent,
@@ -24,11 +23,10 @@ from app.events import (
     SessionEnd,
     encode,
 )
+from tests.conftest import fresh_worker_config
 from workers.config import WorkerConfig
 from workers.repository import make_worker_engine, rewards, samples
 from workers.rewards import Feedback
-
-PARTITIONS = 4
 
 
 @dataclasses.dataclass
@@ -128,27 +126,7 @@ def worker_engine(stack: EmbeddedStack) -> Iterator[Engine]:
 @pytest.fixture
 def worker_config(stack: EmbeddedStack) -> WorkerConfig:
     """Fresh topics and consumer group for one test, short group timeouts, no housekeeping."""
-    suffix = uuid.uuid4().hex[:10]
-    config = WorkerConfig(
-        completions_topic=f"test.completions.{suffix}",
-        feedback_topic=f"test.feedback.{suffix}",
-        dlq_topic=f"test.dlq.{suffix}",
-        group_id=f"test-workers-{suffix}",
-        session_timeout_ms=6000,
-        heartbeat_interval_ms=1000,
-        poll_timeout_ms=200,
-        sweep_interval_s=None,
-        monitor_interval_s=None,
-    )
-    ensure_topics(
-        stack.kafka.url,
-        {
-            config.completions_topic: PARTITIONS,
-            config.feedback_topic: PARTITIONS,
-            config.dlq_topic: 1,
-        },
-    )
-    return config
+    return fresh_worker_config(stack.kafka.url)
 
 
 @pytest.fixture(scope="session")

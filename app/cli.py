@@ -340,12 +340,19 @@ def train(
 ) -> None:
     """Run one training cycle on the production checkpoint's rewards (`--once`)."""
     from trainer.cycle import run_cycle
+    from trainer.task_family import task_family_held_out
 
     settings = get_settings()
     config = TrainConfig(min_samples=min_samples, learning_rate=learning_rate, epochs=epochs)
     engine = make_engine(settings.database_url)
     try:
-        result = run_cycle(settings, config, engine=engine, progress=typer.echo)
+        result = run_cycle(
+            settings,
+            config,
+            engine=engine,
+            held_out=task_family_held_out(config),
+            progress=typer.echo,
+        )
     finally:
         engine.dispose()
     typer.echo(
@@ -363,6 +370,7 @@ def trainer_loop() -> None:
     import threading
 
     from trainer.scheduler import run_scheduler
+    from trainer.task_family import task_family_held_out
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = get_settings()
@@ -370,7 +378,10 @@ def trainer_loop() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     engine = make_engine(settings.database_url)
     try:
-        run_scheduler(settings, TrainConfig(), engine=engine, stop=stop)
+        config = TrainConfig()
+        run_scheduler(
+            settings, config, engine=engine, held_out=task_family_held_out(config), stop=stop
+        )
     except KeyboardInterrupt:
         pass
     finally:

@@ -16,12 +16,10 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine, func, select
 
-from app.admin.experiments import start_canary
-from app.analytics.rollups import refresh_rollups
+from app.abtest.rollups import refresh_rollups
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
-from app.gateway.assignment import notify_routing_changed_sync
 from app.launcher import FullStack
 from app.models import (
     Checkpoint,
@@ -30,9 +28,12 @@ from app.models import (
     Role,
     Sample,
 )
+from app.registry.experiments import start_canary
+from app.registry.routing import notify_routing_changed_sync
 from app.simulator.run import simulate
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
+from trainer.task_family import task_family_held_out
 
 Progress = Callable[[str], None]
 
@@ -284,6 +285,7 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
                 settings,
                 config.train,
                 engine=engine,
+                held_out=task_family_held_out(config.train),
                 progress=lambda line: progress(f"  {line}"),
                 on_published=lambda: notify_routing_changed_sync(settings.redis_url),
             )

@@ -30,8 +30,8 @@ import psycopg
 from fastapi.testclient import TestClient
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from app.analytics.repository import arm_histogram_query, arm_sums_query, arm_users_query
-from app.analytics.rollups import refresh_rollups
+from app.abtest.repository import arm_histogram_query, arm_sums_query, arm_users_query
+from app.abtest.rollups import refresh_rollups
 from app.analytics.router import router as analytics_router
 from app.analytics.schemas import Window
 from app.analytics.service import experiment_results

@@ -39,8 +39,9 @@ from app.embedded.stack import EmbeddedStack
 from app.serving.checkpoints import BASE_CHECKPOINT, ensure_base_checkpoint, publish_checkpoint
 from app.serving.vllm import VllmServer, vllm_device
 from app.tasks import train_tasks
-from trainer.bootstrap import BootstrapConfig, bootstrap_model, prompt_ids
+from trainer.bootstrap import BootstrapConfig, bootstrap_model
 from trainer.config import TrainConfig
+from trainer.generation import prompt_ids
 
 MAX_TOKENS = 48
 

@@ -43,11 +43,13 @@ from app.serving.parity import CompletionBatch, completion_batch
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
 from app.tasks import check_solution, extract_code, train_tasks
-from trainer.bootstrap import BootstrapConfig, bootstrap_model, prompt_ids
+from trainer.bootstrap import BootstrapConfig, bootstrap_model
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
 from trainer.data import TrainingSample, select_on_policy_batch
+from trainer.generation import prompt_ids
 from trainer.policy import load_trainable_policy, pick_device
+from trainer.task_family import task_family_held_out
 
 
 def load_average() -> str:
@@ -241,7 +243,13 @@ def bench(args: argparse.Namespace, scratch: Path) -> None:
             base_model=model_dir,
         )
         timeline = Timeline()
-        result = run_cycle(settings, config, engine=engine, progress=timeline.progress)
+        result = run_cycle(
+            settings,
+            config,
+            engine=engine,
+            held_out=task_family_held_out(config),
+            progress=timeline.progress,
+        )
         timeline.progress(f"run_cycle returned: {result.status} {result.reason or ''}")
         raw_after = raw_tokens_per_s(model_dir, batches, config)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +16,13 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 from transformers import LlamaForCausalLM
 
+from app.auth.service import new_api_key
 from app.config import Settings, get_settings
 from app.db import make_engine, session_scope
 from app.embedded.kafka import ensure_topics
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
+from app.models import ApiKey, Role
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
 from trainer.bootstrap import BootstrapConfig, bootstrap_model
@@ -62,6 +64,21 @@ def engine(stack: EmbeddedStack) -> Iterator[Engine]:
     engine = make_engine(stack.postgres.url)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture
+def make_key(engine: Engine) -> Callable[..., tuple[ApiKey, str]]:
+    """Creates an API key in Postgres: its row (detached) and its secret."""
+
+    def make(role: Role = Role.ide, **fields: Any) -> tuple[ApiKey, str]:
+        with session_scope(engine) as session:
+            row, secret = new_api_key(name=f"test-{uuid.uuid4().hex[:8]}", role=role, **fields)
+            session.add(row)
+            session.flush()
+            session.expunge(row)
+        return row, secret
+
+    return make
 
 
 @pytest.fixture

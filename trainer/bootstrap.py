@@ -42,6 +42,7 @@ from app.tasks import (
     reference_code,
     train_tasks,
 )
+from trainer.generation import generate_answers, prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -259,15 +260,6 @@ def train_tokenizer(corpus: list[Example], vocab_size: int) -> PreTrainedTokeniz
     )
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerFast, request: str) -> list[int]:
-    """Token ids of a one-turn chat prompt, ending where the assistant's answer starts."""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": request}], add_generation_prompt=True, tokenize=False
-    )
-    assert isinstance(rendered, str)
-    return tokenizer.encode(rendered, add_special_tokens=False)
-
-
 # --- model ----------------------------------------------------------------------------
 
 
@@ -386,47 +378,6 @@ class Evaluation:
     pass_rate: float
     pass_rate_by_operation: dict[str, float]
     habit_share: dict[str, float]
-
-
-@torch.no_grad()
-def generate_answers(
-    model: LlamaForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    requests: list[str],
-    *,
-    sample: bool,
-    max_new_tokens: int,
-    batch_size: int = 64,
-) -> list[str]:
-    """The model's answers to one-turn chat requests, greedy or sampled at temperature 1."""
-    assert tokenizer.pad_token_id is not None
-    # Sampling from the full distribution, as vLLM does at temperature 1 by default.
-    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    generation_config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **(sampling if sample else {"do_sample": False}),
-    )
-    answers = []
-    for start in range(0, len(requests), batch_size):
-        prompts = [
-            prompt_ids(tokenizer, request) for request in requests[start : start + batch_size]
-        ]
-        width = max(len(ids) for ids in prompts)
-        # Left padding, so every answer continues right after its prompt.
-        input_ids = torch.tensor(
-            [[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in prompts]
-        )
-        attention_mask = torch.tensor(
-            [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts]
-        )
-        output = model.generate(  # type: ignore[misc]
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
-        )
-        answers += tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
-    return answers
 
 
 def evaluate(

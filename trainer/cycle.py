@@ -15,23 +15,20 @@ import torch
 from sqlalchemy import Engine, select, update
 from transformers import PreTrainedTokenizerFast
 
-from app.admin.experiments import start_canary
 from app.config import Settings
 from app.db import session_scope
 from app.models import Checkpoint, CheckpointStatus, TrainingRun, TrainingRunStatus
+from app.registry.experiments import start_canary
 from app.serving.checkpoints import publish_checkpoint, reconcile
 from app.serving.parity import batch_logprobs, completion_batch, completion_logprobs, logprob_drift
-from app.tasks import heldout_tasks
 from trainer.config import TrainConfig
 from trainer.data import OnPolicyBatch, TrainingSample, select_on_policy_batch
-from trainer.evaluate import gate, heldout_pass_rate, mean_kl, next_token_logprobs, reference_batch
+from trainer.evaluate import HeldOut, gate, mean_kl, next_token_logprobs
 from trainer.lock import trainer_lock
 from trainer.loss import LossStats, advantages, policy_gradient_loss
 from trainer.policy import load_trainable_policy, pick_device
 
 log = logging.getLogger("rtrl.trainer")
-
-EVAL_SEED = 20_261_129
 
 
 @dataclass(frozen=True)
@@ -47,10 +44,12 @@ def run_cycle(
     config: TrainConfig,
     *,
     engine: Engine,
+    held_out: HeldOut,
     progress: Callable[[str], None] = log.info,
     on_published: Callable[[], None] | None = None,
 ) -> CycleResult:
-    """Run one cycle under the trainer lock and record it as a training run."""
+    """Run one cycle under the trainer lock and record it as a training run; `held_out` is
+    what the evaluation gate scores the candidate on."""
     with trainer_lock(engine):
         if abandon_crashed_runs(engine):
             # A run that died while publishing may have left its adapter on a replica.
@@ -66,7 +65,15 @@ def run_cycle(
             if config.threads:
                 torch.set_num_threads(config.threads)
             return train_and_publish(
-                settings, config, engine, run_id, production, batch, progress, on_published
+                settings,
+                config,
+                engine,
+                run_id,
+                production,
+                batch,
+                held_out,
+                progress,
+                on_published,
             )
         except Exception as exc:
             finish_run(
@@ -148,6 +155,7 @@ def train_and_publish(
     run_id: int,
     production: Checkpoint,
     batch: OnPolicyBatch,
+    held_out: HeldOut,
     progress: Callable[[str], None],
     on_published: Callable[[], None] | None,
 ) -> CycleResult:
@@ -183,20 +191,15 @@ def train_and_publish(
         )
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(base_model)
-    tasks = heldout_tasks(EVAL_SEED, config.eval_tasks)
-    reference = reference_batch(tokenizer, tasks)
+    reference = held_out.reference(tokenizer)
     production_reference = next_token_logprobs(policy, reference)
-    production_pass = heldout_pass_rate(
-        policy, tokenizer, tasks, max_new_tokens=config.eval_max_new_tokens
-    )
+    production_pass = held_out.pass_rate(policy, tokenizer)
     progress(f"run {run_id}: production held-out pass rate {production_pass:.3f}")
 
     stats = {**drift_stats, **update_policy(policy, samples, config, device, progress)}
     stats["reward_mean_before"] = sum(s.reward for s in samples) / len(samples)
 
-    candidate_pass = heldout_pass_rate(
-        policy, tokenizer, tasks, max_new_tokens=config.eval_max_new_tokens
-    )
+    candidate_pass = held_out.pass_rate(policy, tokenizer)
     kl = mean_kl(
         next_token_logprobs(policy, reference), production_reference, reference.completion_mask
     )

@@ -5,42 +5,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import UTC, datetime
-from typing import Any
 
-from sqlalchemy import Engine, select
-from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine
 
 from app.config import Settings
 from app.db import session_scope
-from app.gateway.assignment import notify_routing_changed_sync
-from app.models import ControlFlag
+from app.registry.audit import Actor
+from app.registry.flags import CYCLE_REQUESTED, TRAINING_PAUSED, flag, set_flag
+from app.registry.routing import notify_routing_changed_sync
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
+from trainer.evaluate import HeldOut
 from trainer.lock import CycleBusy
 
 log = logging.getLogger("rtrl.trainer")
-
-TRAINING_PAUSED = "training_paused"
-CYCLE_REQUESTED = "training_cycle_requested"
-
-
-def set_flag(session: Session, name: str, value: Any, *, by: str) -> None:
-    """Upsert a control flag."""
-    session.execute(
-        insert(ControlFlag)
-        .values(name=name, value=value, updated_by=by, updated_at=datetime.now(UTC))
-        .on_conflict_do_update(
-            index_elements=[ControlFlag.name],
-            set_={"value": value, "updated_by": by, "updated_at": datetime.now(UTC)},
-        )
-    )
-
-
-def flag(session: Session, name: str, default: Any = None) -> Any:
-    value = session.scalar(select(ControlFlag.value).where(ControlFlag.name == name))
-    return default if value is None else value
+TRAINER_ACTOR = Actor("trainer")
 
 
 def run_scheduler(
@@ -48,6 +27,7 @@ def run_scheduler(
     config: TrainConfig,
     *,
     engine: Engine,
+    held_out: HeldOut,
     stop: threading.Event,
     poll_seconds: float = 5.0,
 ) -> None:
@@ -58,8 +38,8 @@ def run_scheduler(
     log.info("trainer scheduler: a cycle every %s", settings.train_interval)
     while not stop.wait(timeout=min(poll_seconds, max(0.0, next_cycle - time.monotonic()))):
         with session_scope(engine) as session:
-            paused = bool(flag(session, TRAINING_PAUSED, False))
-            requested = bool(flag(session, CYCLE_REQUESTED, False))
+            paused = flag(session, TRAINING_PAUSED)
+            requested = flag(session, CYCLE_REQUESTED)
         if paused:
             if not paused_logged:
                 log.info("training is paused; waiting")
@@ -70,12 +50,13 @@ def run_scheduler(
             continue
         if requested:
             with session_scope(engine) as session:
-                set_flag(session, CYCLE_REQUESTED, False, by="trainer")
+                set_flag(session, CYCLE_REQUESTED, False, TRAINER_ACTOR)
         try:
             result = run_cycle(
                 settings,
                 config,
                 engine=engine,
+                held_out=held_out,
                 on_published=lambda: notify_routing_changed_sync(settings.redis_url),
             )
             log.info(

@@ -9,7 +9,7 @@ from typing import Any
 
 from app.config import Settings
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC, FEEDBACK_TOPIC
-from workers.rewards import LATEST_REWARD_VERSION
+from app.signals.rewards import LATEST_REWARD_VERSION
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class WorkerConfig:
     heartbeat_interval_ms: int = 1000
     """Heartbeats to the group coordinator; a third of the session timeout or less."""
     reward_version: int = LATEST_REWARD_VERSION
-    """The formula (`workers.rewards.REWARD_VERSIONS`) that new rewards are computed with."""
+    """The formula (`app.signals.rewards.REWARD_VERSIONS`) that new rewards are computed with."""
     latency_budget_ms: float = 2000.0
     """A completion slower than this end to end earns the latency penalty."""
     survival_horizon: timedelta = timedelta(minutes=15)

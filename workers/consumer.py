@@ -25,9 +25,10 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
-from app.analytics.guardrails import check_guardrails
+from app.abtest.guardrails import check_guardrails
 from app.config import Settings
 from app.events import DeadLetter, decode_completion, decode_feedback, encode
+from app.signals.rewards import reward_weights
 from workers.config import WorkerConfig
 from workers.monitors import check_running_experiments
 from workers.repository import (
@@ -37,7 +38,6 @@ from workers.repository import (
     samples,
     unstorable,
 )
-from workers.rewards import reward_weights
 from workers.store import feedback_row, sample_row, store_events
 from workers.sweep import finalize_due_rewards
 

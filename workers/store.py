@@ -17,8 +17,15 @@ from app.events import (
     FollowupMessage,
     SessionEnd,
 )
+from app.signals.followup import is_dissatisfied
+from app.signals.rewards import (
+    Feedback,
+    compute_reward,
+    distil_components,
+    finalize_reason,
+    reward_due_at,
+)
 from workers.config import WorkerConfig
-from workers.followup import is_dissatisfied
 from workers.repository import (
     insert_feedback,
     insert_samples,
@@ -26,13 +33,6 @@ from workers.repository import (
     load_open_samples,
     scrub_private_followups,
     upsert_rewards,
-)
-from workers.rewards import (
-    Feedback,
-    compute_reward,
-    distil_components,
-    finalize_reason,
-    reward_due_at,
 )
 
 FEEDBACK_TYPES: dict[str, type[Feedback]] = {

@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 
 from sqlalchemy import ARRAY, BigInteger, Connection, Engine, Float, bindparam, select, text
 
+from app.signals.rewards import RewardComponents, compute_reward, reward_weights
 from workers.config import WorkerConfig
 from workers.repository import load_open_samples, rewards
-from workers.rewards import RewardComponents, compute_reward, reward_weights
 from workers.store import refresh_rewards
 
 SWEEP_CHUNK = 500

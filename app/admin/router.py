@@ -20,31 +20,32 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.admin import experiments, service
+from app.abtest.guardrails import GuardrailDecision, check_guardrails_in
 from app.admin.schemas import (
-    NAME,
-    ApiKeyCreate,
     ApiKeyCreated,
     ApiKeyOut,
     ArmOut,
     Change,
     CheckpointDetail,
     CheckpointOut,
-    ExperimentCreate,
     ExperimentOut,
     Ramp,
     Reason,
     TrainingRunOut,
     TrainingState,
 )
-from app.analytics.guardrails import GuardrailDecision, check_guardrails_in
-from app.auth.dependencies import require_role
-from app.auth.schemas import Principal
+from app.auth import keys
+from app.auth.schemas import ApiKeyCreate, Principal
 from app.auth.service import Authenticator
 from app.db import async_session_scope
-from app.gateway.assignment import notify_routing_changed
-from app.gateway.schemas import ApiError, ErrorType
+from app.http.dependencies import require_role
+from app.http.errors import ApiError, ErrorType
 from app.models import Checkpoint, CheckpointStatus, Experiment, ExperimentStatus, Role
+from app.registry import checkpoints, experiments, flags
+from app.registry.audit import Actor, RegistryError, audit_entries
+from app.registry.routing import notify_routing_changed
+from app.registry.schemas import NAME, ExperimentCreate
+from app.serving.replicas import serve_everywhere as load_everywhere
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,8 @@ OptionalReason = Annotated[Reason | None, Body()]
 _ERROR_TYPES: dict[int, ErrorType] = {404: "not_found_error", 409: "conflict_error"}
 
 
-def actor_of(principal: Principal) -> service.Actor:
-    return service.Actor(principal.name, principal.key_id)
+def actor_of(principal: Principal) -> Actor:
+    return Actor(principal.name, principal.key_id)
 
 
 @contextmanager
@@ -66,7 +67,7 @@ def refusals() -> Iterator[None]:
     """Refused changes and lost races, answered in the API's error shape."""
     try:
         yield
-    except service.AdminError as exc:
+    except RegistryError as exc:
         raise ApiError(
             exc.status_code,
             exc.message,
@@ -116,7 +117,7 @@ async def serve_everywhere(request: Request, checkpoint: Checkpoint) -> None:
     """Refuse (503) unless every vLLM replica serves the checkpoint, loading it where missing."""
     replicas = request.app.state.settings.vllm_urls
     failures = await anyio.to_thread.run_sync(
-        service.serve_everywhere, checkpoint.name, checkpoint.adapter_path, replicas
+        load_everywhere, checkpoint.name, checkpoint.adapter_path, replicas
     )
     if failures:
         raise ApiError(
@@ -153,20 +154,20 @@ async def list_checkpoints(
 ) -> list[CheckpointOut]:
     """Every checkpoint, newest first, optionally of one status."""
     async with reading(request) as session:
-        checkpoints = await session.run_sync(service.list_checkpoints, status)
-        names = await session.run_sync(service.checkpoint_names)
-    return [_checkpoint_out(checkpoint, names) for checkpoint in checkpoints]
+        found = await session.run_sync(checkpoints.list_checkpoints, status)
+        names = await session.run_sync(checkpoints.checkpoint_names)
+    return [_checkpoint_out(checkpoint, names) for checkpoint in found]
 
 
 @router.get("/checkpoints/{name}", response_model=CheckpointDetail)
 async def checkpoint_detail(request: Request, _: Ops, name: CheckpointName) -> CheckpointDetail:
     """A checkpoint with its lineage, the training runs around it and its experiments."""
     async with reading(request) as session:
-        checkpoint = await session.run_sync(service.checkpoint_named, name)
-        chain = await session.run_sync(service.lineage, checkpoint)
-        produced, trained = await session.run_sync(service.training_runs_of, checkpoint)
+        checkpoint = await session.run_sync(checkpoints.checkpoint_named, name)
+        chain = await session.run_sync(checkpoints.lineage, checkpoint)
+        produced, trained = await session.run_sync(checkpoints.training_runs_of, checkpoint)
         serving = await session.run_sync(experiments.experiments_serving, checkpoint.id)
-        names = await session.run_sync(service.checkpoint_names)
+        names = await session.run_sync(checkpoints.checkpoint_names)
     return CheckpointDetail(
         **_checkpoint_out(checkpoint, names).model_dump(),
         lineage=[_checkpoint_out(ancestor, names) for ancestor in chain],
@@ -184,9 +185,9 @@ async def promote(
     production is retired and stays ready for a rollback."""
     async with change(request) as session:
         entry = await session.run_sync(
-            service.promote, name, actor_of(principal), body.reason if body else None
+            checkpoints.promote, name, actor_of(principal), body.reason if body else None
         )
-        await serve_everywhere(request, await session.run_sync(service.checkpoint_named, name))
+        await serve_everywhere(request, await session.run_sync(checkpoints.checkpoint_named, name))
     return Change.model_validate(entry)
 
 
@@ -213,12 +214,14 @@ async def _rollback(
     reason = body.reason if body else None
     async with change(request) as session:
         if name is None:
-            entry = await session.run_sync(service.rollback_production, actor_of(principal), reason)
+            entry = await session.run_sync(
+                checkpoints.rollback_production, actor_of(principal), reason
+            )
         else:
-            entry = await session.run_sync(service.rollback, name, actor_of(principal), reason)
+            entry = await session.run_sync(checkpoints.rollback, name, actor_of(principal), reason)
         production = (entry.after or {}).get("production")
         if production is not None:
-            restored = await session.run_sync(service.checkpoint_named, production)
+            restored = await session.run_sync(checkpoints.checkpoint_named, production)
             await serve_everywhere(request, restored)
     return Change.model_validate(entry)
 
@@ -229,7 +232,7 @@ async def training_runs(
 ) -> list[TrainingRunOut]:
     """The latest training runs with their statistics and evaluation."""
     async with reading(request) as session:
-        runs = await session.run_sync(service.recent_training_runs, limit)
+        runs = await session.run_sync(checkpoints.recent_training_runs, limit)
     return [TrainingRunOut.model_validate(run) for run in runs]
 
 
@@ -265,7 +268,7 @@ async def list_experiments(
     """Experiments, newest first, optionally of one status."""
     async with reading(request) as session:
         found = await session.run_sync(experiments.list_experiments, status)
-        names = await session.run_sync(service.checkpoint_names)
+        names = await session.run_sync(checkpoints.checkpoint_names)
     return [_experiment_out(experiment, names) for experiment in found]
 
 
@@ -273,7 +276,7 @@ async def list_experiments(
 async def experiment(request: Request, _: Ops, experiment_id: ExperimentId) -> ExperimentOut:
     async with reading(request) as session:
         found = await session.run_sync(experiments.experiment_by_id, experiment_id)
-        names = await session.run_sync(service.checkpoint_names)
+        names = await session.run_sync(checkpoints.checkpoint_names)
     return _experiment_out(found, names)
 
 
@@ -285,7 +288,7 @@ async def create_experiment(
     async with change(request, routing=spec.start) as session:
         created = await session.run_sync(experiments.create_experiment, spec, actor_of(principal))
         await session.refresh(created, ["created_at"])
-        names = await session.run_sync(service.checkpoint_names)
+        names = await session.run_sync(checkpoints.checkpoint_names)
     return _experiment_out(created, names)
 
 
@@ -343,15 +346,15 @@ async def check_guardrails(
 async def list_api_keys(request: Request, _: Ops, include_revoked: bool = False) -> list[ApiKeyOut]:
     """API keys (never their secrets), newest first."""
     async with reading(request) as session:
-        keys = await service.list_api_keys(session, include_revoked)
-    return [ApiKeyOut.model_validate(key) for key in keys]
+        found = await keys.list_api_keys(session, include_revoked)
+    return [ApiKeyOut.model_validate(key) for key in found]
 
 
 @router.post("/api-keys", response_model=ApiKeyCreated, status_code=201)
 async def create_api_key(request: Request, principal: Ops, spec: ApiKeyCreate) -> ApiKeyCreated:
     """A new API key; its secret is in this response only."""
     async with change(request, routing=False) as session:
-        row, secret = await service.issue_api_key(session, spec, actor_of(principal))
+        row, secret = await keys.issue_api_key(session, spec, actor_of(principal))
     return ApiKeyCreated(**ApiKeyOut.model_validate(row).model_dump(), secret=secret)
 
 
@@ -359,7 +362,7 @@ async def create_api_key(request: Request, principal: Ops, spec: ApiKeyCreate) -
 async def revoke_api_key(request: Request, principal: Ops, key_id: uuid.UUID) -> Change:
     """Revoke a key: refused here at once, by other replicas within seconds."""
     async with change(request, routing=False) as session:
-        entry = await service.revoke_api_key(session, key_id, actor_of(principal))
+        entry = await keys.revoke_api_key(session, key_id, actor_of(principal))
     authenticator: Authenticator = request.app.state.authenticator
     authenticator.forget()
     return Change.model_validate(entry)
@@ -372,9 +375,9 @@ async def revoke_api_key(request: Request, principal: Ops, key_id: uuid.UUID) ->
 async def training_state(request: Request, _: Ops) -> TrainingState:
     """Whether training is paused, whether a cycle is requested, and the latest runs."""
     async with reading(request) as session:
-        paused = await session.run_sync(service.flag, service.TRAINING_PAUSED)
-        requested = await session.run_sync(service.flag, service.CYCLE_REQUESTED)
-        runs = await session.run_sync(service.recent_training_runs, 10)
+        paused = await session.run_sync(flags.flag, flags.TRAINING_PAUSED)
+        requested = await session.run_sync(flags.flag, flags.CYCLE_REQUESTED)
+        runs = await session.run_sync(checkpoints.recent_training_runs, 10)
     return TrainingState(
         paused=paused,
         cycle_requested=requested,
@@ -399,7 +402,7 @@ async def _set_paused(
 ) -> Change:
     async with change(request, routing=False) as session:
         entry = await session.run_sync(
-            service.set_training_paused,
+            flags.set_training_paused,
             paused,
             actor_of(principal),
             body.reason if body else None,
@@ -412,7 +415,7 @@ async def _set_paused(
 async def request_cycle(request: Request, principal: Ops) -> Change:
     """Ask the trainer for a cycle now instead of at its next interval."""
     async with change(request, routing=False) as session:
-        entry = await session.run_sync(service.request_training_cycle, actor_of(principal))
+        entry = await session.run_sync(flags.request_training_cycle, actor_of(principal))
         await session.flush()
     return Change.model_validate(entry)
 
@@ -427,5 +430,5 @@ async def audit_log(
 ) -> list[Change]:
     """The audit log, newest first: who changed what, the state before and after."""
     async with reading(request) as session:
-        entries = await session.run_sync(service.audit_entries, target, action, limit)
+        entries = await session.run_sync(audit_entries, target, action, limit)
     return [Change.model_validate(entry) for entry in entries]

@@ -6,12 +6,9 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.models import CheckpointStatus, ExperimentStatus, Role, TrainingRunStatus
-
-NAME = r"^[A-Za-z0-9._:-]+$"
-"""Names ops choose for experiments and arms: no spaces, quotes or path characters."""
 
 
 class CheckpointOut(BaseModel):
@@ -74,25 +71,6 @@ class CheckpointDetail(CheckpointOut):
     experiments: list[ExperimentOut]
 
 
-class ArmIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, max_length=64, pattern=NAME)
-    checkpoint: str = Field(min_length=1, max_length=64, pattern=NAME)
-    weight_bps: int = Field(ge=0, le=10_000)
-    is_control: bool = False
-
-
-class ExperimentCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, max_length=200, pattern=NAME)
-    route: str = Field(default="chat", min_length=1, max_length=64, pattern=NAME)
-    arms: list[ArmIn] = Field(min_length=2, max_length=10)
-    start: bool = False
-    """Start it right away (otherwise it is created as a draft)."""
-
-
 class Ramp(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -105,16 +83,6 @@ class Reason(BaseModel):
 
     reason: str | None = Field(default=None, max_length=500)
     """Why, for the audit log."""
-
-
-class ApiKeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, max_length=200)
-    role: Role
-    privacy_mode: bool = False
-    rate_limit_per_minute: int | None = Field(default=None, ge=1, le=1_000_000)
-    expires_at: AwareDatetime | None = None
 
 
 class ApiKeyOut(BaseModel):

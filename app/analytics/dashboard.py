@@ -14,8 +14,9 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
-from app.analytics.dependencies import ANALYTICS_ROLES, SESSION_COOKIE, analyst, principal_for
-from app.gateway.schemas import ApiError
+from app.analytics.dependencies import ANALYTICS_ROLES, SESSION_COOKIE, analyst
+from app.http.dependencies import principal_for
+from app.http.errors import ApiError
 
 router = APIRouter(tags=["dashboard"], include_in_schema=False)
 

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.abtest.repository import Bucket
 from app.analytics import service
 from app.analytics.dependencies import analyst, read_only_session, window
-from app.analytics.repository import Bucket
 from app.analytics.schemas import (
     ARM_NAME,
     CHECKPOINT_NAME,
@@ -22,7 +22,7 @@ from app.analytics.schemas import (
     TimeSeries,
     Window,
 )
-from app.gateway.schemas import ApiError
+from app.http.errors import ApiError
 
 router = APIRouter(prefix="/analytics", tags=["analytics"], dependencies=[Depends(analyst)])
 

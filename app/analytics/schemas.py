@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, model_validator
 
-from app.analytics.repository import Bucket
+from app.abtest.repository import Bucket
 
 MetricKind = Literal["proportion", "mean", "percentile"]
 CHECKPOINT_NAME = r"^[A-Za-z0-9._-]{1,64}$"

@@ -13,8 +13,8 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import selectinload
 
-from app.analytics import stats
-from app.analytics.repository import (
+from app.abtest import stats
+from app.abtest.repository import (
     MEANS,
     PROPORTIONS,
     SAMPLE_EXPORT_COLUMNS,
@@ -24,7 +24,7 @@ from app.analytics.repository import (
     sample_export_query,
     timeseries_query,
 )
-from app.analytics.rollups import MAX_AGE, latency_quantile, refresh_rollups, rollup_age
+from app.abtest.rollups import MAX_AGE, latency_quantile, refresh_rollups, rollup_age
 from app.analytics.schemas import (
     ArmBrief,
     ArmResult,

@@ -1,10 +1,12 @@
-"""Who is calling: the authenticated API key as the request handlers see it."""
+"""Who is calling (the authenticated API key), and what a new key is made of."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from app.models import Role
 
@@ -19,3 +21,13 @@ class Principal:
     privacy_mode: bool
     rate_limit_per_minute: int | None
     expires_at: datetime | None
+
+
+class ApiKeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    role: Role
+    privacy_mode: bool = False
+    rate_limit_per_minute: int | None = Field(default=None, ge=1, le=1_000_000)
+    expires_at: AwareDatetime | None = None

@@ -7,12 +7,12 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from app.auth.dependencies import require_role
 from app.auth.schemas import Principal
 from app.config import Settings
 from app.feedback.schemas import FeedbackAccepted, FeedbackBatch
 from app.feedback.service import accept_feedback
-from app.gateway.schemas import ApiError
+from app.http.dependencies import require_role
+from app.http.errors import ApiError
 from app.models import Role
 
 router = APIRouter(prefix="/v1", tags=["feedback"])

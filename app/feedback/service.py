@@ -18,10 +18,10 @@ from app.events import (
     feedback_adapter,
 )
 from app.feedback.schemas import FeedbackAccepted
-from app.gateway.schemas import ApiError
 from app.gateway.service import REQUEST_ID_TTL_S, request_key
-from app.gateway.spool import EventSink
-from workers.followup import is_dissatisfied
+from app.gateway.sink import EventSink
+from app.http.errors import ApiError
+from app.signals.followup import is_dissatisfied
 
 Feedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd
 

@@ -15,7 +15,6 @@ import hmac
 import logging
 from dataclasses import dataclass, field
 
-from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from sqlalchemy import select
@@ -23,11 +22,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import selectinload
 
 from app.models import Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
+from app.registry.routing import ROUTING_CHANNEL
 from app.serving.checkpoints import BASE_CHECKPOINT
 
 log = logging.getLogger(__name__)
 
-ROUTING_CHANNEL = "rtrl:routing"
 CHAT_ROUTE = "chat"
 BUCKETS = 10_000
 """Buckets are basis points, like arm weights."""
@@ -136,20 +135,6 @@ async def load_routing_table(session: AsyncSession, route: str = CHAT_ROUTE) -> 
             arms.append(ArmRoute(arm.name, checkpoint_names[arm.checkpoint_id], upper))
         experiment_route = ExperimentRoute(experiment.id, experiment.salt, tuple(arms))
     return RoutingTable(production=production or BASE_CHECKPOINT, experiment=experiment_route)
-
-
-def notify_routing_changed_sync(redis_url: str) -> None:
-    """`notify_routing_changed` for processes without an event loop (trainer, demo)."""
-    client = SyncRedis.from_url(redis_url)
-    try:
-        client.publish(ROUTING_CHANNEL, "changed")
-    finally:
-        client.close()
-
-
-async def notify_routing_changed(redis: Redis) -> None:
-    """Tell every gateway to reload its routing table (experiments, arms, checkpoint states)."""
-    await redis.publish(ROUTING_CHANNEL, "changed")
 
 
 @dataclass

@@ -26,13 +26,14 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from app.auth.dependencies import require_role
 from app.auth.schemas import Principal
 from app.config import Settings
 from app.gateway.assignment import hash_user
-from app.gateway.schemas import ApiError, ChatRequest, ModelCard, ModelList
+from app.gateway.schemas import ChatRequest, ModelCard, ModelList
 from app.gateway.service import ChatCall, Gateway
 from app.gateway.toolcalls import looks_like_edit_request
+from app.http.dependencies import require_role
+from app.http.errors import ApiError
 from app.models import Role
 
 router = APIRouter(prefix="/v1", tags=["gateway"])

@@ -1,54 +1,10 @@
-"""The OpenAI-compatible wire shapes the gateway speaks, errors included."""
+"""The OpenAI-compatible wire shapes the gateway speaks."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-ErrorType = Literal[
-    "invalid_request_error",
-    "authentication_error",
-    "permission_error",
-    "not_found_error",
-    "conflict_error",
-    "rate_limit_error",
-    "request_too_large",
-    "service_unavailable",
-    "api_error",
-]
-
-
-class ApiError(Exception):
-    """An error answered in the OpenAI error shape: `{"error": {message, type, param, code}}`."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        type: ErrorType = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, code=self.code, param=self.param)
-
-
-def error_body(
-    message: str, *, type: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class FunctionSpec(BaseModel):

@@ -27,8 +27,8 @@ from app.gateway.metrics import (
     TTFT,
     UPSTREAM_UNAVAILABLE,
 )
-from app.gateway.schemas import ApiError, ChatRequest
-from app.gateway.spool import EventSink
+from app.gateway.schemas import ChatRequest
+from app.gateway.sink import EventSink
 from app.gateway.toolcalls import (
     ToolCallCheck,
     ToolSchemas,
@@ -42,6 +42,7 @@ from app.gateway.upstream import (
     UpstreamStream,
     UpstreamUnavailable,
 )
+from app.http.errors import ApiError
 from app.serving.vllm import vllm_device
 
 log = logging.getLogger(__name__)

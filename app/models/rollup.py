@@ -21,7 +21,7 @@ from app.models.base import Base
 class HourlyRollup(Base):
     """Samples and their final rewards summed per hour, checkpoint and arm, for analytics.
 
-    Derived data: `app.analytics.rollups.refresh_rollups` rebuilds the hours whose samples
+    Derived data: `app.abtest.rollups.refresh_rollups` rebuilds the hours whose samples
     or rewards changed. Sums and sums of squares give means and variances; latency is a
     log-bucketed histogram (2% wide buckets), so percentiles merge across hours.
     """

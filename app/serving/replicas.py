@@ -1,7 +1,8 @@
-"""Talking to vLLM replicas about LoRA adapters: list, load, unload."""
+"""Talking to vLLM replicas about LoRA adapters: list, load, unload, serve everywhere."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -66,3 +67,20 @@ def unload_adapter(replica: str, name: str) -> None:
     response = _request(replica, "POST", "/v1/unload_lora_adapter", json={"lora_name": name})
     if response.status_code != 200 and name in served_adapters(replica):
         raise ReplicaError(replica, f"unloading {name} failed: {response.text.strip()[:500]}")
+
+
+def serve_everywhere(name: str, adapter_path: str | None, replicas: Sequence[str]) -> list[str]:
+    """Load the adapter into every replica that lacks it; the failures, one line each.
+
+    Blocking HTTP: call it from a worker thread.
+    """
+    if adapter_path is None:
+        return []  # the base model is always served
+    failures = []
+    for replica in replicas:
+        try:
+            if name not in served_adapters(replica):
+                load_adapter(replica, name, Path(adapter_path))
+        except ReplicaError as exc:
+            failures.append(str(exc))
+    return failures

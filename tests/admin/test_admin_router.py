@@ -11,9 +11,7 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, select
 
-from app.admin import service
 from app.db import session_scope
-from app.gateway.assignment import ROUTING_CHANNEL
 from app.models import (
     ApiKey,
     AuditEntry,
@@ -26,6 +24,7 @@ from app.models import (
     TrainingRun,
     TrainingRunStatus,
 )
+from app.registry.routing import ROUTING_CHANNEL
 from tests.analytics.app_fixtures import bearer
 
 
@@ -431,20 +430,11 @@ def test_training_pause_resume_and_cycle_requests_set_the_trainers_flags(
 
     with session_scope(registry) as session:
         flags = {f.name: f.value for f in session.scalars(select(ControlFlag))}
-    assert flags == {service.TRAINING_PAUSED: False, service.CYCLE_REQUESTED: True}
+    assert flags == {flags.TRAINING_PAUSED: False, flags.CYCLE_REQUESTED: True}
     entries = client.get("/admin/audit?limit=3", headers=headers).json()
     assert [e["action"] for e in entries] == ["training.cycle", "training.resume", "training.pause"]
     assert entries[2]["before"] == {"paused": False}
     assert entries[2]["after"] == {"paused": True, "reason": "incident"}
-
-
-def test_the_flag_names_are_the_trainers() -> None:
-    from trainer import scheduler
-
-    assert (service.TRAINING_PAUSED, service.CYCLE_REQUESTED) == (
-        scheduler.TRAINING_PAUSED,
-        scheduler.CYCLE_REQUESTED,
-    )
 
 
 def test_a_routing_change_is_announced_to_the_gateways(

@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from sqlalchemy import Engine, select
 
+from app.abtest.rollups import refresh_rollups
 from app.analytics.dependencies import SESSION_COOKIE
-from app.analytics.rollups import refresh_rollups
 from app.config import Settings
 from app.db import session_scope
 from app.models import Alert, Checkpoint, Role

@@ -15,7 +15,7 @@ import pytest
 from scipy import stats
 from sqlalchemy import Engine, select
 
-from app.analytics.guardrails import FAMILY_ALPHA, GUARDRAILS, check_guardrails, confidence_sequence
+from app.abtest.guardrails import FAMILY_ALPHA, GUARDRAILS, check_guardrails, confidence_sequence
 from app.config import Settings
 from app.db import session_scope
 from app.embedded.stack import EmbeddedStack

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from scipy import stats
 from sqlalchemy import Engine
 
-from app.analytics.rollups import refresh_rollups
+from app.abtest.rollups import refresh_rollups
 from tests.analytics.conftest import DAYS, Behaviour, SeededArm, day_zero
 
 Seeder = Callable[..., tuple[int, pd.DataFrame]]

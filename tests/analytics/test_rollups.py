@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, text
 
-from app.analytics.rollups import REFRESH_LOCK, bucket_of, latency_quantile, refresh_rollups
+from app.abtest.rollups import REFRESH_LOCK, bucket_of, latency_quantile, refresh_rollups
 from tests.analytics.conftest import Behaviour, SeededArm
 
 Seeder = Callable[..., tuple[int, pd.DataFrame]]

@@ -18,7 +18,6 @@ from app.config import Settings
 from app.db import session_scope
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.assignment import (
-    ROUTING_CHANNEL,
     ArmRoute,
     ExperimentRoute,
     RoutingTable,
@@ -27,6 +26,7 @@ from app.gateway.assignment import (
     hash_user,
 )
 from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
+from app.registry.routing import ROUTING_CHANNEL
 from app.serving.checkpoints import publish_checkpoint, retire_checkpoint
 from app.serving.vllm import VllmServer
 

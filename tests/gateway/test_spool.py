@@ -1,24 +1,14 @@
-"""The event sink: every event written ahead to a durable spool, then to Kafka, exactly once."""
+"""The disk spool: segments replayed in order, across restarts, torn lines, one owner."""
 
 from __future__ import annotations
 
-import threading
-import time
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 
-from app.embedded.kafka import ensure_topics
-from app.embedded.process import free_port
-from app.embedded.stack import EmbeddedStack
-from app.events import COMPLETIONS_TOPIC
 from app.gateway import spool as spool_module
-from app.gateway.spool import DiskSpool, Envelope, EventSink, SpoolLocked
+from app.gateway.spool import DiskSpool, Envelope, SpoolLocked
 
 
 def envelopes(count: int, start: int = 0, topic: str = "t") -> list[Envelope]:
@@ -89,139 +79,3 @@ def test_a_torn_last_line_is_dropped_and_the_directory_is_locked(tmp_path: Path)
 
     reopened = DiskSpool(tmp_path)
     assert reopened.pending == 3 and numbers(reopened.read(10)) == [0, 1, 2]
-
-
-def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30) -> list[bytes]:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    try:
-        partition = TopicPartition(topic, 0)
-        consumer.assign([partition])
-        consumer.seek_to_beginning(partition)
-        values: list[bytes] = []
-        deadline = time.monotonic() + timeout
-        while len(values) < expected and time.monotonic() < deadline:
-            for records in consumer.poll(timeout_ms=200).values():
-                values += [record.value for record in records]
-        time.sleep(0.5)
-        for records in consumer.poll(timeout_ms=500).values():
-            values += [record.value for record in records]
-        return values
-    finally:
-        consumer.close()
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def test_a_restarted_gateway_replays_its_spool_exactly_once_with_nothing_in_memory(
-    stack: EmbeddedStack, tmp_path: Path
-) -> None:
-    topic = f"test.spool.{uuid.uuid4().hex[:8]}"
-    ensure_topics(stack.kafka.url, {topic: 1})
-    dead_kafka = f"127.0.0.1:{free_port()}"
-    offline = EventSink(dead_kafka, tmp_path, memory_events=100)
-    offline.start()
-    for n, envelope in enumerate(envelopes(1_000, topic=topic), start=1):
-        offline.publish_encoded(envelope)
-        # Written ahead: on disk when publish returns, so a crash right now loses nothing.
-        assert offline.depth == {"memory": 0, "disk": n}
-    offline.close()
-    assert DiskSpool(tmp_path).pending == 1_000  # and the lock was released
-
-    online = EventSink(stack.kafka.url, tmp_path)
-    online.start()
-    wait_until(lambda: online.depth == {"memory": 0, "disk": 0}, 30, "the spool to replay")
-    for envelope in envelopes(5, start=1_000, topic=topic):
-        online.publish_encoded(envelope)
-    wait_until(lambda: online.depth == {"memory": 0, "disk": 0}, 30, "the new events")
-    online.close()
-
-    values = read_topic(stack.kafka.url, topic, expected=1_005)
-    assert values == [envelope.value for envelope in envelopes(1_005, topic=topic)]
-
-
-def test_a_disk_that_refuses_writes_holds_events_in_memory_in_order(
-    stack: EmbeddedStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    topic = f"test.spool.{uuid.uuid4().hex[:8]}"
-    ensure_topics(stack.kafka.url, {topic: 1})
-    sink = EventSink(stack.kafka.url, tmp_path, memory_events=100)
-    first, held, later = (
-        envelopes(10, topic=topic),
-        envelopes(150, 10, topic),
-        envelopes(5, 160, topic),
-    )
-    for envelope in first:
-        sink.publish_encoded(envelope)  # on disk; the sink is not sending yet
-
-    def disk_full(batch: Any) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(sink.disk, "append", disk_full)
-    for envelope in held:
-        sink.publish_encoded(envelope)
-    assert sink.depth == {"memory": 100, "disk": 10}  # the oldest 50 of those were dropped
-    sink.start()  # the disk's events go first, then memory's, while the disk still refuses
-    wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 30, "the held events to be sent")
-    monkeypatch.undo()  # the disk has room again
-    for envelope in later:
-        sink.publish_encoded(envelope)
-    wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 30, "the later events")
-    sink.close()
-
-    values = read_topic(stack.kafka.url, topic, expected=115)
-    assert values == [e.value for e in first + held[50:] + later]
-
-
-def test_events_produced_while_kafka_is_down_arrive_exactly_once(
-    gateway_server: Any, ide_key: str, stack: EmbeddedStack, kafka: Any
-) -> None:
-    sink: EventSink = gateway_server.app.state.sink
-    sent: list[tuple[str, float]] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def traffic() -> None:
-        with httpx.Client(base_url=gateway_server.url, timeout=30) as client:
-            while not stop.is_set():
-                request_id, started = f"r-{uuid.uuid4().hex[:12]}", time.monotonic()
-                response = client.post(
-                    "/v1/chat/completions",
-                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                    headers={
-                        "Authorization": f"Bearer {ide_key}",
-                        "X-Session-Id": f"s-{len(sent) % 7}",
-                        "X-Request-Id": request_id,
-                    },
-                )
-                if response.status_code != 200:
-                    failures.append(response.text)
-                sent.append((request_id, started))
-                time.sleep(0.02)
-
-    sender = threading.Thread(target=traffic)
-    sender.start()
-    try:
-        time.sleep(1.0)
-        stack.kafka.stop()
-        stopped_at = time.monotonic()
-        wait_until(lambda: sink.depth["disk"] > 0, 30, "events to be spooled to disk")
-        time.sleep(1.0)
-        stack.kafka.start()  # memory storage: an empty broker, topics re-created
-        time.sleep(1.0)
-    finally:
-        stop.set()
-        sender.join()
-
-    assert not failures, failures[:3]
-    wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 60, "the spool to drain")
-    after_stop = {request_id for request_id, started in sent if started > stopped_at}
-    assert len(after_stop) > 10
-    events = kafka.read(COMPLETIONS_TOPIC, until=kafka.for_requests(after_stop), timeout=30)
-    assert not kafka.duplicates(events)
-    served = {event["request_id"] for event in events}
-    assert after_stop <= served, f"{len(after_stop - served)} events lost"

@@ -13,12 +13,12 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from app.admin.experiments import start_canary
 from app.config import settings_environment
 from app.db import session_scope
-from app.gateway.assignment import notify_routing_changed_sync
 from app.gateway.upstream import SERVED_MODELS_TTL_S
 from app.models import Checkpoint, Experiment, Role, Sample, TrainingRun, TrainingRunStatus
+from app.registry.experiments import start_canary
+from app.registry.routing import notify_routing_changed_sync
 from app.serving.checkpoints import publish_checkpoint, reconcile
 from app.serving.replicas import served_adapters
 from app.serving.vllm import VllmServer

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from app.events import EditSurvival, FollowupMessage, feedback_adapter
+from app.signals.followup import is_dissatisfied
 from app.simulator.population import make_population
 from app.simulator.reactions import (
     ABANDON_FACTOR,
@@ -18,7 +19,6 @@ from app.simulator.reactions import (
     react,
 )
 from app.tasks import OPERATIONS_BY_NAME, Task, all_tasks, format_response, reference_code
-from workers.followup import is_dissatisfied
 
 TASKS = all_tasks()
 DEVELOPER = replace(make_population(1, seed=0)[0], patience_s=5.0)

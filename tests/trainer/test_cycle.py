@@ -26,13 +26,14 @@ from app.models import (
 )
 from app.serving.sampling import ServedCompletion, sample_completions
 from app.serving.vllm import VllmServer
+from app.signals.rewards import RewardComponents
 from app.tasks import Task, check_solution, extract_code, train_tasks
 from trainer import cycle as cycle_module
-from trainer.bootstrap import prompt_ids
 from trainer.config import TrainConfig
-from trainer.cycle import run_cycle
+from trainer.cycle import CycleResult, run_cycle
+from trainer.generation import prompt_ids
 from trainer.lock import CycleBusy, trainer_lock
-from workers.rewards import RewardComponents
+from trainer.task_family import task_family_held_out
 
 Served = list[tuple[Task, ServedCompletion]]
 
@@ -121,6 +122,11 @@ def settings_for(server: VllmServer, model_dir: Path, data_dir: Path) -> Setting
     return Settings(data_dir=data_dir, vllm_urls=[server.url], base_model=model_dir)
 
 
+def cycle_on_tasks(settings: Settings, config: TrainConfig, *, engine: Engine) -> CycleResult:
+    """A cycle whose evaluation gate scores the task family's held-out set."""
+    return run_cycle(settings, config, engine=engine, held_out=task_family_held_out(config))
+
+
 def fast_config(**overrides: object) -> TrainConfig:
     config = TrainConfig(
         min_samples=64,
@@ -152,7 +158,7 @@ def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
 ) -> None:
     record(registry, base_served, lambda task, done: float(solves(task, done)))
 
-    result = run_cycle(
+    result = cycle_on_tasks(
         settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
     )
 
@@ -191,7 +197,7 @@ def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
 def test_too_few_samples_records_a_skipped_run(
     registry: Engine, vllm_server: VllmServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    result = run_cycle(
+    result = cycle_on_tasks(
         settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
     )
     assert result.status == TrainingRunStatus.skipped
@@ -207,7 +213,7 @@ def test_drift_between_serving_and_training_refuses_to_train(
     tmp_path: Path,
 ) -> None:
     record(registry, base_served[:64], lambda *_: 1.0, logprob_shift=0.05)
-    result = run_cycle(
+    result = cycle_on_tasks(
         settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
     )
     assert result.status == TrainingRunStatus.refused
@@ -223,7 +229,7 @@ def test_a_candidate_that_fails_the_eval_gate_is_not_published(
     tmp_path: Path,
 ) -> None:
     record(registry, base_served[:64], lambda task, done: float(solves(task, done)))
-    result = run_cycle(
+    result = cycle_on_tasks(
         settings_for(vllm_server, tiny_model_dir, tmp_path),
         fast_config(epochs=1, eval_max_kl=0.0),
         engine=registry,
@@ -237,7 +243,7 @@ def test_only_one_cycle_runs_at_a_time(
     registry: Engine, vllm_server: VllmServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     with trainer_lock(registry), pytest.raises(CycleBusy):
-        run_cycle(
+        cycle_on_tasks(
             settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
         )
 
@@ -262,12 +268,12 @@ def test_a_crash_between_saving_and_registering_leaves_nothing_half_published(
 
     monkeypatch.setattr(cycle_module, "publish_checkpoint", die)
     with pytest.raises(ProcessDied):
-        run_cycle(settings, fast_config(epochs=1), engine=registry)
+        cycle_on_tasks(settings, fast_config(epochs=1), engine=registry)
     assert list((tmp_path / "runs").glob("run-*/adapter/adapter_model.safetensors"))
     assert published_checkpoints(registry) == []
 
     monkeypatch.undo()
-    result = run_cycle(settings, fast_config(epochs=1), engine=registry)
+    result = cycle_on_tasks(settings, fast_config(epochs=1), engine=registry)
     with session_scope(registry) as session:
         statuses = dict(session.execute(select(TrainingRun.id, TrainingRun.status)).all())
         reasons = session.scalars(select(TrainingRun.reason)).all()

@@ -23,10 +23,10 @@ from app.events import (
     SessionEnd,
     encode,
 )
+from app.signals.rewards import Feedback
 from tests.conftest import fresh_worker_config
 from workers.config import WorkerConfig
 from workers.repository import make_worker_engine, rewards, samples
-from workers.rewards import Feedback
 
 
 @dataclasses.dataclass

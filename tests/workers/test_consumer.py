@@ -18,10 +18,10 @@ from sqlalchemy import Engine, func, select
 from app.config import get_settings
 from app.db import PROJECT_ROOT
 from app.events import CompletionEvent, DeadLetter, encode
+from app.signals.rewards import distil_components
 from workers.config import WorkerConfig
 from workers.consumer import decode_batch, run_worker
 from workers.repository import feedback_events
-from workers.rewards import distil_components
 
 
 class FakeRecord(NamedTuple):

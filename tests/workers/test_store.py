@@ -7,9 +7,9 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from app.events import CompletionEvent
+from app.signals.rewards import compute_reward, distil_components
 from workers.config import WorkerConfig
 from workers.repository import feedback_events, rewards, samples, unstorable
-from workers.rewards import compute_reward, distil_components
 from workers.store import feedback_row, sample_row, store_events
 
 CONFIG = WorkerConfig()

@@ -6,9 +6,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, select
 
+from app.signals.rewards import REWARD_VERSIONS, RewardWeights
 from workers.config import WorkerConfig
 from workers.repository import rewards, samples
-from workers.rewards import REWARD_VERSIONS, RewardWeights
 from workers.store import feedback_row, sample_row, store_events
 from workers.sweep import finalize_due_rewards, recompute_rewards
 

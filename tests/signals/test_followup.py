@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from workers.followup import explain, is_dissatisfied
+from app.signals.followup import explain, is_dissatisfied
 
 LABELLED = Path(__file__).parent / "data" / "followup_messages.jsonl"
 

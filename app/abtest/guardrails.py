@@ -29,11 +29,12 @@ from pydantic import BaseModel
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from app.admin.service import Actor, lock_routing, rollback_canary
-from app.analytics.repository import ArmSummary, arm_summaries_sync
-from app.analytics.rollups import refresh_rollups
-from app.gateway.assignment import notify_routing_changed_sync
+from app.abtest.repository import ArmSummary, arm_summaries_sync
+from app.abtest.rollups import refresh_rollups
 from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
+from app.registry.audit import Actor
+from app.registry.checkpoints import rollback_canary
+from app.registry.routing import lock_routing, notify_routing_changed_sync
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from app.events import (
     FollowupMessage,
     SessionEnd,
 )
-from workers.followup import is_dissatisfied
+from app.signals.followup import is_dissatisfied
 
 Feedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd
 FinalizeReason = Literal["horizon", "session_end", "timeout"]

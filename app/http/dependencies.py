@@ -1,4 +1,4 @@
-"""FastAPI dependencies: the request's database session and role-checked, metered callers."""
+"""FastAPI dependencies every router uses: the request's database session and its caller."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.auth.schemas import Principal
 from app.auth.service import Authenticator, AuthError, AuthUnavailable, RateLimiter
-from app.gateway.schemas import ApiError
+from app.http.errors import ApiError
 from app.models import Role
 
 log = logging.getLogger(__name__)
@@ -42,28 +42,28 @@ def bearer_secret(request: Request) -> str:
     return secret.strip()
 
 
-def require_role(*roles: Role) -> Callable[[Request], Awaitable[Principal]]:
-    """A dependency admitting keys of the given roles, within their rate limit."""
+def presented_secret(request: Request, cookie: str | None) -> str:
+    """The key from the Authorization header, else (where a cookie is named) from the cookie."""
+    if cookie is not None and not request.headers.get("authorization"):
+        secret = request.cookies.get(cookie, "")
+        if secret:
+            return secret
+    return bearer_secret(request)
+
+
+def require_role(
+    *roles: Role, cookie: str | None = None
+) -> Callable[[Request], Awaitable[Principal]]:
+    """A dependency admitting keys of the given roles, within their rate limit.
+
+    With `cookie`, a browser may present the key in that cookie instead of the header.
+    An authentication outage is a 503 with `Retry-After` on every route that uses it.
+    """
     allowed = frozenset(roles)
     names = ", ".join(sorted(role.value for role in allowed))
 
     async def authorized_principal(request: Request) -> Principal:
-        authenticator: Authenticator = request.app.state.authenticator
-        try:
-            principal = await authenticator.authenticate(bearer_secret(request))
-        except AuthError as exc:
-            raise ApiError(
-                401, f"{exc}.", type="authentication_error", code="invalid_api_key"
-            ) from None
-        except AuthUnavailable:
-            log.warning("API key not checked: Postgres unavailable", exc_info=True)
-            raise ApiError(
-                503,
-                "API keys cannot be checked right now; retry shortly.",
-                type="api_error",
-                code="auth_unavailable",
-                headers={"Retry-After": "2"},
-            ) from None
+        principal = await principal_for(request, presented_secret(request, cookie))
         if principal.role not in allowed:
             raise ApiError(
                 403,
@@ -76,6 +76,26 @@ def require_role(*roles: Role) -> Callable[[Request], Awaitable[Principal]]:
         return principal
 
     return authorized_principal
+
+
+async def principal_for(request: Request, secret: str) -> Principal:
+    """The principal of a secret; 401 when unknown, revoked or expired, 503 in an outage."""
+    authenticator: Authenticator = request.app.state.authenticator
+    try:
+        return await authenticator.authenticate(secret)
+    except AuthError as exc:
+        raise ApiError(
+            401, f"{exc}.", type="authentication_error", code="invalid_api_key"
+        ) from None
+    except AuthUnavailable:
+        log.warning("API key not checked: Postgres unavailable", exc_info=True)
+        raise ApiError(
+            503,
+            "API keys cannot be checked right now; retry shortly.",
+            type="api_error",
+            code="auth_unavailable",
+            headers={"Retry-After": "2"},
+        ) from None
 
 
 async def _within_rate_limit(limiter: RateLimiter, principal: Principal) -> None:

@@ -12,9 +12,9 @@ from fastapi import Depends
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, update
 
-from app.auth import require_role
 from app.auth.service import AUTH_CACHE_TTL_S
 from app.db import session_scope
+from app.http.dependencies import require_role
 from app.models import ApiKey, Role
 
 

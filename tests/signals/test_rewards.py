@@ -12,7 +12,7 @@ from app.events import (
     FollowupMessage,
     SessionEnd,
 )
-from workers.rewards import (
+from app.signals.rewards import (
     LATEST_REWARD_VERSION,
     REWARD_VERSIONS,
     Feedback,

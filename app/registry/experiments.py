@@ -1,7 +1,7 @@
 """Experiment lifecycle used by ops and by the trainer's canary rollout.
 
 Ops' changes (create, start, ramp, stop) run in the caller's transaction under the routing
-lock, refuse invalid transitions with an `AdminError`, and write their audit entries.
+lock, refuse invalid transitions with an `RegistryError`, and write their audit entries.
 """
 
 from __future__ import annotations
@@ -15,15 +15,6 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from app.admin.schemas import ExperimentCreate
-from app.admin.service import (
-    OPEN_EXPERIMENTS,
-    Actor,
-    AdminError,
-    audit,
-    checkpoint_names,
-    lock_routing,
-)
 from app.models import (
     LIVE_STATUSES,
     Arm,
@@ -33,6 +24,10 @@ from app.models import (
     Experiment,
     ExperimentStatus,
 )
+from app.registry.audit import Actor, RegistryError, audit
+from app.registry.checkpoints import OPEN_EXPERIMENTS, checkpoint_names
+from app.registry.routing import lock_routing
+from app.registry.schemas import ExperimentCreate
 
 ROUTE = "chat"
 FULL_BPS = 10_000
@@ -96,7 +91,9 @@ def experiment_by_id(session: Session, experiment_id: int, *, lock: bool = False
     )
     experiment = session.scalar(query.with_for_update() if lock else query)
     if experiment is None:
-        raise AdminError(404, "experiment_not_found", f"Experiment {experiment_id} does not exist.")
+        raise RegistryError(
+            404, "experiment_not_found", f"Experiment {experiment_id} does not exist."
+        )
     return experiment
 
 
@@ -145,7 +142,7 @@ def experiment_state(experiment: Experiment, names: dict[int, str]) -> dict[str,
 def _check_weights(weights: dict[str, int]) -> None:
     for arm, weight in weights.items():
         if not 0 <= weight <= FULL_BPS:
-            raise AdminError(
+            raise RegistryError(
                 422,
                 "invalid_weight",
                 f"Arm {arm!r}: weight {weight} is outside 0..{FULL_BPS} basis points.",
@@ -153,7 +150,7 @@ def _check_weights(weights: dict[str, int]) -> None:
             )
     total = sum(weights.values())
     if total != FULL_BPS:
-        raise AdminError(
+        raise RegistryError(
             422,
             "weights_do_not_sum_to_10000",
             f"Arm weights sum to {total} basis points; they must sum to {FULL_BPS}.",
@@ -169,7 +166,7 @@ def _check_live(session: Session, checkpoint_ids: Iterable[int]) -> None:
     ).all()
     if not_live:
         described = ", ".join(f"{row.name} is {row.status.value}" for row in not_live)
-        raise AdminError(
+        raise RegistryError(
             409,
             "checkpoint_not_live",
             f"An experiment can only serve live checkpoints: {described}.",
@@ -180,14 +177,14 @@ def create_experiment(session: Session, spec: ExperimentCreate, actor: Actor) ->
     """Create an experiment as a draft (or started, with `spec.start`)."""
     lock_routing(session)
     if session.scalar(select(Experiment.id).where(Experiment.name == spec.name)) is not None:
-        raise AdminError(
+        raise RegistryError(
             409, "experiment_name_taken", f"An experiment named {spec.name!r} exists.", param="name"
         )
     names = [arm.name for arm in spec.arms]
     if len(set(names)) != len(names):
-        raise AdminError(422, "duplicate_arm", "Arm names must be unique.", param="arms")
+        raise RegistryError(422, "duplicate_arm", "Arm names must be unique.", param="arms")
     if sum(arm.is_control for arm in spec.arms) != 1:
-        raise AdminError(
+        raise RegistryError(
             422, "one_control_arm", "Exactly one arm must be the control.", param="arms"
         )
     _check_weights({arm.name: arm.weight_bps for arm in spec.arms})
@@ -201,7 +198,7 @@ def create_experiment(session: Session, spec: ExperimentCreate, actor: Actor) ->
     }
     for index, arm in enumerate(spec.arms):
         if arm.checkpoint not in checkpoints:
-            raise AdminError(
+            raise RegistryError(
                 422,
                 "checkpoint_not_found",
                 f"Arm {arm.name!r}: checkpoint {arm.checkpoint!r} does not exist.",
@@ -245,7 +242,7 @@ def start_experiment(session: Session, experiment_id: int, actor: Actor) -> Audi
     lock_routing(session)
     experiment = experiment_by_id(session, experiment_id, lock=True)
     if experiment.status != ExperimentStatus.draft:
-        raise AdminError(
+        raise RegistryError(
             409,
             "not_a_draft",
             f"Experiment {experiment_id} is {experiment.status.value}; only a draft can start.",
@@ -256,7 +253,7 @@ def start_experiment(session: Session, experiment_id: int, actor: Actor) -> Audi
         )
     )
     if running is not None:
-        raise AdminError(
+        raise RegistryError(
             409,
             "route_has_running_experiment",
             f"Experiment {running.id} ({running.name}) is already running on route "
@@ -293,13 +290,13 @@ def ramp_experiment(
     lock_routing(session)
     experiment = experiment_by_id(session, experiment_id, lock=True)
     if experiment.status not in OPEN_EXPERIMENTS:
-        raise AdminError(
+        raise RegistryError(
             409, "experiment_stopped", f"Experiment {experiment_id} is stopped; it cannot ramp."
         )
     arms = {arm.name: arm for arm in experiment.arms}
     unknown, missing = weights.keys() - arms.keys(), arms.keys() - weights.keys()
     if unknown or missing:
-        raise AdminError(
+        raise RegistryError(
             422,
             "arms_mismatch",
             f"Weights must name exactly the arms {sorted(arms)}; "
@@ -329,7 +326,7 @@ def stop_experiment(
     lock_routing(session)
     experiment = experiment_by_id(session, experiment_id, lock=True)
     if experiment.status == ExperimentStatus.stopped:
-        raise AdminError(
+        raise RegistryError(
             409, "experiment_stopped", f"Experiment {experiment_id} is already stopped."
         )
     names = checkpoint_names(session, [arm.checkpoint_id for arm in experiment.arms])

@@ -1,0 +1,316 @@
+"""The event sink: every event is written ahead to the disk spool, then sent to Kafka.
+
+`EventSink.publish` appends the event to the spool's current segment (a write to the page
+cache, no fsync) before it returns, so an event the gateway has answered for survives the
+gateway's own crash, SIGKILL included. A background thread sends the spool to an idempotent
+kafka-python producer (acks=all) in order and in batches, fsyncing each batch first, and
+records how far Kafka acknowledged in the spool's cursor; while Kafka is unreachable the
+spool simply grows, and it drains in order once Kafka answers again.
+
+Should the disk refuse a write, events wait in a bounded memory queue and are sent from
+there. A crash after Kafka acknowledged a batch but before the cursor moved sends that batch
+again, as does a send that timed out after the broker had in fact appended it; consumers
+dedupe by `event_id`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+from pydantic import BaseModel
+
+from app.events import encode
+from app.gateway.metrics import EVENTS_DROPPED, EVENTS_PUBLISHED, SPOOL_DEPTH
+from app.gateway.spool import DiskSpool, Envelope
+
+log = logging.getLogger(__name__)
+
+BATCH_EVENTS = 500
+BATCH_WINDOW_S = 0.2
+"""How long the first queued event waits for others: each Kafka round trip costs
+kafka-python milliseconds of CPU (and the GIL), so events go in batches, not one by one."""
+PROBE_INTERVAL_S = 1.0
+CLOSE_DRAIN_S = 5.0
+"""How long a stopping gateway keeps sending; what is left is sent at its next start."""
+
+
+class EventSink:
+    """Publishes events to Kafka from a background thread, through the write-ahead spool."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        spool_dir: Path,
+        *,
+        memory_events: int = 10_000,
+        delivery_timeout_ms: int = 8_000,
+        producer_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.memory_events = memory_events
+        self.disk = DiskSpool(spool_dir)
+        self._delivery_timeout_s = delivery_timeout_ms / 1000
+        self._producer_options = {
+            "bootstrap_servers": bootstrap_servers.split(","),
+            "client_id": "rtrl-gateway",
+            "enable_idempotence": True,
+            "acks": "all",
+            "compression_type": "gzip",
+            "linger_ms": 5,
+            "metrics_enabled": False,
+            "max_block_ms": 2_000,
+            "request_timeout_ms": min(5_000, delivery_timeout_ms - 1_000),
+            "delivery_timeout_ms": delivery_timeout_ms,
+            "bootstrap_timeout_ms": 3_000,
+            **(producer_options or {}),
+        }
+        self._queue: deque[Envelope] = deque()
+        """Events the disk refused, oldest first; everything on disk is older."""
+        self._dropped = 0
+        self._wakeup = threading.Condition()
+        self._closing = False
+        self._producer: KafkaProducer | None = None
+        self._broker_down = False
+        self._next_probe = 0.0
+        self._thread = threading.Thread(target=self._run, name="rtrl-event-sink", daemon=True)
+        SPOOL_DEPTH.labels("memory").set_function(lambda: len(self._queue))
+        SPOOL_DEPTH.labels("disk").set_function(lambda: self.disk.pending)
+
+    def start(self) -> None:
+        """Connect and start draining, what an earlier run spooled first; Kafka may be down."""
+        self._thread.start()
+
+    @property
+    def kafka_connected(self) -> bool:
+        """Whether the last send reached Kafka."""
+        return self._producer is not None and not self._broker_down
+
+    @property
+    def depth(self) -> dict[str, int]:
+        """Events not yet acknowledged by Kafka: on disk, and in memory if the disk refused."""
+        return {"memory": len(self._queue), "disk": self.disk.pending}
+
+    def publish(self, topic: str, key: str, event: BaseModel) -> None:
+        """Spool an event for Kafka; never blocks on the broker."""
+        self.publish_encoded(Envelope(topic, key, encode(event)))
+
+    def publish_encoded(self, envelope: Envelope) -> None:
+        """Spool an already encoded event; on return it survives this process's crash."""
+        with self._wakeup:
+            if not self._queue:
+                try:
+                    self.disk.append([envelope])
+                except OSError:
+                    log.exception("event spool unwritable; holding events in memory")
+                else:
+                    # Wake the drain thread only to start or fill a batch: each wake costs GIL.
+                    if self.disk.pending in (1, BATCH_EVENTS):
+                        self._wakeup.notify()
+                    return
+            # Behind events the disk refused, in memory, in order; the oldest go when full.
+            if len(self._queue) >= self.memory_events:
+                self._queue.popleft()
+                if not self._dropped % 1_000:
+                    log.error("event spool unwritable and memory full; dropping the oldest")
+                self._dropped += 1
+                EVENTS_DROPPED.inc()
+            self._queue.append(envelope)
+            self._wakeup.notify()
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        """Deliver what Kafka takes within a few seconds, then stop; the spool keeps the rest."""
+        with self._wakeup:
+            self._closing = True
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("event sink did not stop within %.0f s", timeout_s)
+            return
+        self._close_producer(timeout_s=2.0)
+        with self._wakeup:
+            self._move_queue_to_disk()
+            if self._queue:
+                log.error("event spool unwritable; %d events lost at shutdown", len(self._queue))
+                EVENTS_DROPPED.inc(len(self._queue))
+        self.disk.close()
+
+    # -- the drain thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._connect()
+        while True:
+            with self._wakeup:
+                if not self._closing and self._idle():
+                    self._wakeup.wait(timeout=self._idle_wait())
+                deadline = time.monotonic() + BATCH_WINDOW_S
+                while (
+                    0 < self._waiting() < BATCH_EVENTS
+                    and not self._closing
+                    and not self._broker_down
+                ):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wakeup.wait(timeout=left)
+                closing = self._closing
+            try:
+                if closing:
+                    self._finish()
+                    return
+                self._drain()
+            except Exception:
+                # Only a bug or a broken disk lands here; whatever was spooled stays spooled.
+                log.exception("event sink round failed")
+                self._mark_down()
+
+    def _waiting(self) -> int:
+        return self.disk.pending + len(self._queue)
+
+    def _idle(self) -> bool:
+        return self._waiting() == 0 or (self._broker_down and time.monotonic() < self._next_probe)
+
+    def _idle_wait(self) -> float:
+        if self._waiting() and self._broker_down:
+            return max(self._next_probe - time.monotonic(), 0.01)
+        return 1.0
+
+    def _drain(self) -> None:
+        """One round: spool what waits in memory, then send a batch if Kafka answers."""
+        with self._wakeup:
+            self._move_queue_to_disk()
+        try:
+            self.disk.sync()
+        except OSError:
+            log.exception("event spool could not be synced")
+        if self._broker_down and not self._probe():
+            return
+        if self.disk.pending:
+            self._replay()
+        elif self._queue:
+            self._deliver_from_memory()
+
+    def _move_queue_to_disk(self) -> None:
+        """Behind what the disk holds, in order; the caller holds self._wakeup."""
+        if self._queue:
+            try:
+                self.disk.append(list(self._queue))
+            except OSError:
+                return
+            self._queue.clear()
+            log.info("event spool writable again")
+
+    def _replay(self) -> None:
+        spooled = self.disk.read(BATCH_EVENTS)
+        if not spooled:
+            return
+        outcome = self._send([item.envelope for item in spooled])
+        self.disk.acknowledge(spooled, outcome)
+        if not all(outcome):
+            self._mark_down()
+
+    def _deliver_from_memory(self) -> None:
+        """While the disk refuses writes: send from memory; what fails stays first in line."""
+        with self._wakeup:
+            batch = [self._queue.popleft() for _ in range(min(BATCH_EVENTS, len(self._queue)))]
+        outcome = self._send(batch)
+        failed = [envelope for envelope, ok in zip(batch, outcome, strict=True) if not ok]
+        if failed:
+            self._mark_down()
+            with self._wakeup:
+                self._queue.extendleft(reversed(failed))
+
+    def _finish(self) -> None:
+        """At shutdown: send what Kafka takes within a few seconds; the rest stays spooled."""
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        while self._waiting() and not self._broker_down and time.monotonic() < deadline:
+            self._drain()
+        self.disk.sync()
+
+    def _send(self, batch: Sequence[Envelope]) -> list[bool]:
+        """Send and wait for every answer; True where Kafka acknowledged the message."""
+        producer = self._producer or self._connect()
+        if producer is None:
+            return [False] * len(batch)
+        futures = []
+        for envelope in batch:
+            try:
+                futures.append(
+                    producer.send(envelope.topic, value=envelope.value, key=envelope.key.encode())
+                )
+            except Exception as exc:
+                # Not queued (no metadata, buffer full): a definite failure, as is the rest.
+                log.warning("Kafka refused a send (%s); it stays spooled", exc)
+                break
+        with contextlib.suppress(Exception):
+            producer.flush(timeout=self._delivery_timeout_s + 5)
+        outcome = []
+        for future in futures:
+            while not future.is_done:
+                # Unanswered is not failed: it may still be acknowledged, so wait it out.
+                with contextlib.suppress(Exception):
+                    future.get(timeout=1.0)
+            outcome.append(future.succeeded())
+        for envelope, ok in zip(batch, outcome, strict=False):
+            if ok:
+                EVENTS_PUBLISHED.labels(envelope.topic).inc()
+        return outcome + [False] * (len(batch) - len(outcome))
+
+    def _connect(self) -> KafkaProducer | None:
+        try:
+            self._producer = KafkaProducer(**self._producer_options)
+        except (KafkaError, OSError) as exc:
+            log.warning(
+                "Kafka unreachable at %s (%s); events wait in the spool",
+                self.bootstrap_servers,
+                exc,
+            )
+            self._mark_down()
+            return None
+        if self._broker_down:
+            log.info("Kafka is back at %s; replaying the spool", self.bootstrap_servers)
+        self._broker_down = False
+        return self._producer
+
+    def _probe(self) -> bool:
+        """Whether Kafka answers again; checked at most once per PROBE_INTERVAL_S."""
+        if time.monotonic() < self._next_probe:
+            return False
+        self._next_probe = time.monotonic() + PROBE_INTERVAL_S
+        if not any(_port_open(server) for server in self.bootstrap_servers.split(",")):
+            return False
+        return self._connect() is not None
+
+    def _mark_down(self) -> None:
+        if not self._broker_down:
+            log.warning("Kafka unavailable; events wait in the spool at %s", self.disk.directory)
+        self._broker_down = True
+        self._next_probe = time.monotonic() + PROBE_INTERVAL_S
+        # A fresh producer after an outage: a restarted broker may not know the old
+        # producer id, and every future of this one has completed.
+        self._close_producer(timeout_s=0.0)
+
+    def _close_producer(self, timeout_s: float) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.close(timeout=timeout_s)
+
+
+def _port_open(server: str, timeout_s: float = 0.5) -> bool:
+    host, _, port = server.strip().rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

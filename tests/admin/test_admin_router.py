@@ -429,8 +429,8 @@ def test_training_pause_resume_and_cycle_requests_set_the_trainers_flags(
     assert client.post("/admin/training/cycle", headers=headers).status_code == 200
 
     with session_scope(registry) as session:
-        flags = {f.name: f.value for f in session.scalars(select(ControlFlag))}
-    assert flags == {flags.TRAINING_PAUSED: False, flags.CYCLE_REQUESTED: True}
+        stored = {f.name: f.value for f in session.scalars(select(ControlFlag))}
+    assert stored == {flags.TRAINING_PAUSED: False, flags.CYCLE_REQUESTED: True}
     entries = client.get("/admin/audit?limit=3", headers=headers).json()
     assert [e["action"] for e in entries] == ["training.cycle", "training.resume", "training.pause"]
     assert entries[2]["before"] == {"paused": False}

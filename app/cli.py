@@ -15,6 +15,7 @@ from app.db import make_engine, session_scope, upgrade_schema
 from app.embedded.kafka import DEFAULT_TOPICS, ensure_topics
 from app.embedded.process import ServiceError
 from app.embedded.stack import EmbeddedStack, ServiceStatus
+from app.heartbeat import heartbeat_age
 from app.models import Checkpoint, Role
 from app.serving.checkpoints import (
     PublishError,
@@ -360,6 +361,22 @@ def train(
         + (f" ({result.reason})" if result.reason else "")
         + (f" -> {result.checkpoint}" if result.checkpoint else "")
     )
+
+
+@cli.command("healthcheck")
+def healthcheck(
+    heartbeat: Path = typer.Option(..., help="The heartbeat file the process touches."),
+    max_age: float = typer.Option(60.0, help="Seconds since the last beat before it fails."),
+) -> None:
+    """Exit 0 while a worker's or trainer's heartbeat is fresh, 1 otherwise (compose probes)."""
+    age = heartbeat_age(heartbeat)
+    if age is None:
+        typer.echo(f"unhealthy: no heartbeat at {heartbeat}", err=True)
+        raise typer.Exit(1)
+    if age > max_age:
+        typer.echo(f"unhealthy: last heartbeat {age:.0f} s ago (limit {max_age:.0f} s)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"healthy: last heartbeat {age:.1f} s ago")
 
 
 @cli.command("trainer")

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     vllm_urls: Annotated[list[str], NoDecode] = []
     """Comma-separated base URLs of the vLLM OpenAI servers (one per replica)."""
 
+    heartbeat_file: Path | None = None
+    """A worker or trainer touches this file as its loop runs (liveness for `rtrl healthcheck`)."""
+
     base_model: Path | None = None
     """HF causal LM directory; defaults to the bootstrapped model under the data dir."""
 

@@ -1,10 +1,19 @@
-"""docker-compose.yml describes production with the same settings the code reads."""
+"""docker-compose.yml describes production with the same settings and health checks the code
+answers."""
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 import yaml
+from sqlalchemy import Engine
 
-from app.config import Settings
+from app.config import Settings, settings_environment
+from app.embedded.stack import EmbeddedStack
+from app.launcher import RtrlProcess
 
 COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 
@@ -30,3 +39,57 @@ def test_compose_uses_only_real_settings_and_has_every_part() -> None:
                 assert variable in known, f"{name} sets unknown {variable}"
     rtrl_env = services["gateway"]["environment"]
     assert {"RTRL_DATABASE_URL", "RTRL_KAFKA_BOOTSTRAP_SERVERS", "RTRL_REDIS_URL"} <= set(rtrl_env)
+
+
+@pytest.mark.parametrize(
+    ("service", "arguments"), [("workers", ["worker"]), ("trainer", ["trainer"])]
+)
+def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_once_it_stops(
+    service: str,
+    arguments: list[str],
+    stack: EmbeddedStack,
+    engine: Engine,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())["services"][service]
+    heartbeat = compose["environment"]["RTRL_HEARTBEAT_FILE"]
+    check = compose["healthcheck"]["test"]
+    assert check[0] == "CMD" and heartbeat in check
+    # The compose command, pointed at this test's own heartbeat file.
+    own_heartbeat = tmp_path / Path(heartbeat).name
+    command = [str(own_heartbeat) if part == heartbeat else part for part in check[1:]]
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
+        kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
+        redis_url=f"redis://localhost:{stack.redis.port}/0",
+        base_model=tiny_model_dir,
+        heartbeat_file=own_heartbeat,
+    )
+    environment = settings_environment(settings)
+
+    def healthcheck() -> subprocess.CompletedProcess[str]:
+        rtrl = [sys.executable, "-m", "app.cli", *command[1:]]
+        return subprocess.run(rtrl, env=environment, capture_output=True, text=True, timeout=60)
+
+    assert healthcheck().returncode == 1  # nothing has beaten yet
+    process = RtrlProcess(service, arguments, tmp_path / "run", tmp_path / "logs", environment)
+    process.start()
+    try:
+        deadline = time.monotonic() + 90
+        while healthcheck().returncode != 0:
+            assert time.monotonic() < deadline, f"{service} never became healthy"
+            time.sleep(1)
+        first_beat = own_heartbeat.stat().st_mtime
+        deadline = time.monotonic() + 30
+        while own_heartbeat.stat().st_mtime == first_beat:
+            assert time.monotonic() < deadline, f"{service} stopped refreshing its heartbeat"
+            time.sleep(0.5)
+    finally:
+        process.stop()
+    max_age = float(command[command.index("--max-age") + 1])
+    stale = time.time() - max_age - 1
+    os.utime(own_heartbeat, (stale, stale))  # as if the window had passed with no beat
+    failed = healthcheck()
+    assert failed.returncode == 1 and "unhealthy" in failed.stderr

@@ -10,6 +10,7 @@ from sqlalchemy import Engine
 
 from app.config import Settings
 from app.db import session_scope
+from app.heartbeat import Heartbeat
 from app.registry.audit import Actor
 from app.registry.flags import CYCLE_REQUESTED, TRAINING_PAUSED, flag, set_flag
 from app.registry.routing import notify_routing_changed_sync
@@ -35,8 +36,16 @@ def run_scheduler(
     interval = settings.train_interval.total_seconds()
     next_cycle = time.monotonic() + interval
     paused_logged = False
+    heartbeat = Heartbeat(settings.heartbeat_file)
+    heartbeat.beat()
+
+    def progress(line: str) -> None:
+        heartbeat.beat()  # a cycle reports progress per phase and per epoch: it is alive
+        log.info(line)
+
     log.info("trainer scheduler: a cycle every %s", settings.train_interval)
     while not stop.wait(timeout=min(poll_seconds, max(0.0, next_cycle - time.monotonic()))):
+        heartbeat.beat()
         with session_scope(engine) as session:
             paused = flag(session, TRAINING_PAUSED)
             requested = flag(session, CYCLE_REQUESTED)
@@ -57,6 +66,7 @@ def run_scheduler(
                 config,
                 engine=engine,
                 held_out=held_out,
+                progress=progress,
                 on_published=lambda: notify_routing_changed_sync(settings.redis_url),
             )
             log.info(

@@ -28,6 +28,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from app.abtest.guardrails import check_guardrails
 from app.config import Settings
 from app.events import DeadLetter, decode_completion, decode_feedback, encode
+from app.heartbeat import Heartbeat
 from app.signals.rewards import reward_weights
 from workers.config import WorkerConfig
 from workers.monitors import check_running_experiments
@@ -327,7 +328,9 @@ def run_worker(
             config.group_id,
         )
         last_sweep = last_monitor = last_guardrails = time.monotonic()
+        heartbeat = Heartbeat(settings.heartbeat_file)
         while not stop_event.is_set():
+            heartbeat.beat()
             caught_up = consume_batch(consumer, producer, engine, config, stop_event) < (
                 config.max_records
             )

@@ -24,6 +24,7 @@ from app.models import (
     TrainingRun,
     TrainingRunStatus,
 )
+from app.registry import flags
 from app.registry.routing import ROUTING_CHANNEL
 from tests.analytics.app_fixtures import bearer
 

@@ -68,14 +68,24 @@ class Settings(BaseSettings):
     survival_horizon: timedelta = timedelta(minutes=15)
     """Edit survival is read at this time after acceptance (seconds or ISO 8601)."""
 
-    reward_version: int = Field(default=1, ge=1)
+    reward_version: int = Field(default=2, ge=1)
     """Reward formula version new rewards are computed with."""
 
     latency_budget_ms: float = Field(default=2000.0, gt=0)
-    """A completion slower than this earns the latency penalty."""
+    """End-to-end latency budget (an A/B metric; formula 1's penalty)."""
+
+    ttft_budget_ms: float = Field(default=1000.0, gt=0)
+    """A completion whose first token takes longer earns the time-to-first-token penalty."""
+
+    tpot_budget_ms: float = Field(default=100.0, gt=0)
+    """A completion generated slower than this per token earns the per-token penalty."""
 
     reward_grace: timedelta = timedelta(minutes=2)
     """How long past the survival horizon a reward waits for late reports before the sweep."""
+
+    reward_reopen_window: timedelta = timedelta(hours=1)
+    """Evidence arriving this long after its reward was finalized re-opens and recomputes it;
+    later evidence is stored and counted on the reward, not applied."""
 
     guardrail_interval: timedelta | None = None
     """How often workers test running canaries against their guardrails and roll back the
@@ -150,7 +160,12 @@ class Settings(BaseSettings):
         return value
 
     @field_validator(
-        "train_interval", "survival_horizon", "reward_grace", "guardrail_interval", mode="before"
+        "train_interval",
+        "survival_horizon",
+        "reward_grace",
+        "reward_reopen_window",
+        "guardrail_interval",
+        mode="before",
     )
     @classmethod
     def _seconds(cls, value: object) -> object:
@@ -163,7 +178,13 @@ class Settings(BaseSettings):
                 return value
         return value
 
-    @field_validator("train_interval", "survival_horizon", "reward_grace", "guardrail_interval")
+    @field_validator(
+        "train_interval",
+        "survival_horizon",
+        "reward_grace",
+        "reward_reopen_window",
+        "guardrail_interval",
+    )
     @classmethod
     def _positive(cls, value: timedelta | None) -> timedelta | None:
         if value is not None and value <= timedelta(0):

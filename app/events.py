@@ -34,6 +34,11 @@ class Event(BaseModel):
     request_id: RequestId
 
 
+CompletionStatus = Literal["ok", "error", "cancelled", "truncated"]
+"""How a completion ended: answered to the end; failed; the client went away before the end;
+the model server ended the stream without finishing it. Only `ok` is ever trained on."""
+
+
 class CompletionEvent(Event):
     """What the gateway served for one request."""
 
@@ -53,10 +58,12 @@ class CompletionEvent(Event):
     behaviour_logprobs: list[float] | None = None
     completion_text: str | None = None
     finish_reason: str | None = None
-    status: Literal["ok", "error"] = "ok"
+    status: CompletionStatus = "ok"
     error: str | None = None
     ttft_ms: float = Field(ge=0)
     latency_ms: float = Field(ge=0)
+    completion_tokens: int | None = Field(default=None, ge=0)
+    """Tokens generated, also for privacy-mode completions (time per output token)."""
     tool_calls: int = Field(default=0, ge=0)
     malformed_tool_calls: int = Field(default=0, ge=0)
     proposed_edit: bool = False

@@ -35,11 +35,17 @@ class WorkerConfig:
     reward_version: int = LATEST_REWARD_VERSION
     """The formula (`app.signals.rewards.REWARD_VERSIONS`) that new rewards are computed with."""
     latency_budget_ms: float = 2000.0
-    """A completion slower than this end to end earns the latency penalty."""
+    """End-to-end latency budget (formula 1's penalty; an A/B metric)."""
+    ttft_budget_ms: float = 1000.0
+    """Time-to-first-token budget."""
+    tpot_budget_ms: float = 100.0
+    """Time-per-output-token budget."""
     survival_horizon: timedelta = timedelta(minutes=15)
     """Edit survival is read at this time after acceptance."""
     finalization_grace: timedelta = timedelta(minutes=2)
     """Extra wait after the horizon for late survival reports before the sweep finalizes."""
+    reopen_window: timedelta = timedelta(hours=1)
+    """Evidence this long after finalization still re-opens a reward; later, it is counted."""
     sweep_interval_s: float | None = 30.0
     """Seconds between finalization sweeps inside the worker loop; None: never."""
     monitor_interval_s: float | None = 60.0
@@ -64,7 +70,10 @@ class WorkerConfig:
             survival_horizon=settings.survival_horizon,
             reward_version=settings.reward_version,
             latency_budget_ms=settings.latency_budget_ms,
+            ttft_budget_ms=settings.ttft_budget_ms,
+            tpot_budget_ms=settings.tpot_budget_ms,
             finalization_grace=settings.reward_grace,
+            reopen_window=settings.reward_reopen_window,
             guardrail_interval_s=(
                 settings.guardrail_interval.total_seconds() if settings.guardrail_interval else None
             ),

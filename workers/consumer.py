@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 import orjson
@@ -41,6 +42,7 @@ from workers.repository import (
 )
 from workers.store import feedback_row, sample_row, store_events
 from workers.sweep import finalize_due_rewards
+from workers.watermarks import StreamWatermarks
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,7 @@ def row_of(record: Record, config: WorkerConfig) -> dict[str, Any]:
     try:
         if record.topic == config.completions_topic:
             table, row = samples, sample_row(decode_completion(record.value))
+            row["kafka_partition"] = record.partition
         elif record.topic == config.feedback_topic:
             table, row = feedback_events, feedback_row(decode_feedback(record.value))
         else:
@@ -258,9 +261,12 @@ def consume_batch(
     engine: Engine,
     config: WorkerConfig,
     stop_event: threading.Event,
+    watermarks: StreamWatermarks | None = None,
 ) -> int:
     """Poll one batch and carry it through to committed offsets; returns how many messages."""
     polled = consumer.poll(timeout_ms=config.poll_timeout_ms, max_records=config.max_records)
+    if watermarks is not None:
+        watermarks.observe(polled)
     records = [record for batch in polled.values() for record in batch]
     if not records:
         return 0
@@ -329,17 +335,21 @@ def run_worker(
         )
         last_sweep = last_monitor = last_guardrails = time.monotonic()
         heartbeat = Heartbeat(settings.heartbeat_file)
+        watermarks = StreamWatermarks()
+        topics = (config.completions_topic, config.feedback_topic)
         while not stop_event.is_set():
             heartbeat.beat()
-            caught_up = consume_batch(consumer, producer, engine, config, stop_event) < (
-                config.max_records
-            )
+            consume_batch(consumer, producer, engine, config, stop_event, watermarks)
             now = time.monotonic()
-            # Finalizing on time alone waits until this worker has caught up with the stream,
-            # so a backlog's feedback is stored before its rewards are frozen.
-            if caught_up and _due(config.sweep_interval_s, last_sweep, now):
+            # On a timer, under full load too: each owned partition is swept up to how far
+            # its stream has been read, so a backlog's feedback is stored before its rewards
+            # are frozen, and a peer's partitions are left to the peer.
+            if _due(config.sweep_interval_s, last_sweep, now):
                 last_sweep = now
-                _run_safely("sweep", lambda: finalize_due_rewards(engine, config))
+                marks = watermarks.by_partition(consumer, topics, datetime.now(UTC))
+                _run_safely(
+                    "sweep", partial(finalize_due_rewards, engine, config, watermarks=marks)
+                )
             if _due(config.monitor_interval_s, last_monitor, now):
                 last_monitor = now
                 _run_safely(

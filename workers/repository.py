@@ -55,6 +55,7 @@ SAMPLE_METRIC_COLUMNS: tuple[Column[Any], ...] = (
     samples.c.status,
     samples.c.ttft_ms,
     samples.c.latency_ms,
+    samples.c.completion_tokens,
     samples.c.tool_calls,
     samples.c.malformed_tool_calls,
 )
@@ -224,18 +225,29 @@ def _upsert_open_rewards(columns: tuple[str, ...]) -> Insert:
     )
 
 
-def insert_samples(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    """Insert samples; one already stored (same event id or request id) is left as it is."""
-    if rows:
-        conn.execute(_insert_new(samples, tuple(rows[0])), as_columns(samples, rows))
+def insert_samples(conn: Connection, rows: Sequence[dict[str, Any]]) -> set[str]:
+    """Insert samples; one already stored (same event id or request id) is left as it is.
+
+    Returns the request ids of the samples that are new.
+    """
+    if not rows:
+        return set()
+    statement = _insert_new(samples, tuple(rows[0])).returning(samples.c.request_id)
+    return set(conn.execute(statement, as_columns(samples, rows)).scalars())
 
 
-def insert_feedback(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    """Insert feedback events; one already stored (same event id) is left as it is."""
-    if rows:
-        conn.execute(
-            _insert_new(feedback_events, tuple(rows[0])), as_columns(feedback_events, rows)
-        )
+def insert_feedback(conn: Connection, rows: Sequence[dict[str, Any]]) -> list[Row[Any]]:
+    """Insert feedback events; one already stored (same event id) is left as it is.
+
+    Returns the request id, session id and kind of each event that is new: a redelivered
+    event is evidence already applied.
+    """
+    if not rows:
+        return []
+    statement = _insert_new(feedback_events, tuple(rows[0])).returning(
+        feedback_events.c.request_id, feedback_events.c.session_id, feedback_events.c.kind
+    )
+    return list(conn.execute(statement, as_columns(feedback_events, rows)))
 
 
 def upsert_rewards(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
@@ -317,6 +329,57 @@ def load_open_samples(
         "ids": text_array(sample_ids),
     }
     return list(conn.execute(query, params).all())
+
+
+def load_final_samples(conn: Connection, request_ids: Collection[str]) -> list[Row[Any]]:
+    """Samples of these requests whose reward is already final, with that reward."""
+    if not request_ids:
+        return []
+    query = (
+        select(
+            *SAMPLE_METRIC_COLUMNS,
+            rewards.c.components,
+            rewards.c.finalized_at,
+            rewards.c.finalize_reason,
+        )
+        .select_from(samples.join(rewards, rewards.c.sample_id == samples.c.id))
+        .where(samples.c.request_id == _any("rids", String), rewards.c.finalized_at.is_not(None))
+        .order_by(samples.c.id)
+    )
+    found: list[Row[Any]] = [*conn.execute(query, {"rids": text_array(request_ids)})]
+    return found
+
+
+def reopen_rewards(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """Apply late evidence to final rewards: their new state, and one more reopen counted."""
+    if not rows:
+        return
+    conn.execute(
+        update(rewards)
+        .where(rewards.c.sample_id == bindparam("b_sample_id"))
+        .values(
+            components=bindparam("b_components"),
+            reward=bindparam("b_reward"),
+            reward_version=bindparam("b_reward_version"),
+            due_at=bindparam("b_due_at"),
+            finalized_at=bindparam("b_finalized_at"),
+            finalize_reason=bindparam("b_finalize_reason"),
+            reopen_count=rewards.c.reopen_count + 1,
+            updated_at=func.now(),
+        ),
+        [{f"b_{name}": value for name, value in row.items()} for row in rows],
+    )
+
+
+def count_late_evidence(conn: Connection, sample_ids: Collection[int]) -> None:
+    """Count evidence that came after the reopen window on its (unchanged) reward."""
+    if sample_ids:
+        conn.execute(
+            update(rewards)
+            .where(rewards.c.sample_id == _any("ids", BigInteger))
+            .values(late_evidence_count=rewards.c.late_evidence_count + 1),
+            {"ids": text_array(sample_ids)},
+        )
 
 
 def load_feedback_signals(

@@ -1,4 +1,9 @@
-"""Storing a batch: events become rows, and every reward they touch is distilled again."""
+"""Storing a batch: events become rows, and every reward new evidence touches is distilled again.
+
+A redelivered event changes nothing. New evidence for a reward that is already final re-opens
+it within `reopen_window` of its finalization (recomputed, counted in `reopen_count`); later
+evidence is stored and counted in `late_evidence_count`, and the reward stands.
+"""
 
 from __future__ import annotations
 
@@ -27,10 +32,13 @@ from app.signals.rewards import (
 )
 from workers.config import WorkerConfig
 from workers.repository import (
+    count_late_evidence,
     insert_feedback,
     insert_samples,
     load_feedback_signals,
+    load_final_samples,
     load_open_samples,
+    reopen_rewards,
     scrub_private_followups,
     upsert_rewards,
 )
@@ -74,6 +82,8 @@ def sample_row(event: CompletionEvent) -> dict[str, Any]:
         "status": event.status,
         "ttft_ms": event.ttft_ms,
         "latency_ms": event.latency_ms,
+        "completion_tokens": event.completion_tokens,
+        "kafka_partition": None,
         "tool_calls": event.tool_calls,
         "malformed_tool_calls": event.malformed_tool_calls,
         "served_at": event.occurred_at,
@@ -126,21 +136,25 @@ def store_events(
     *,
     now: datetime,
 ) -> int:
-    """Write a batch's samples and feedback, then refresh every reward they touch."""
-    insert_samples(conn, sample_rows)
-    insert_feedback(conn, feedback_rows)
+    """Write a batch's samples and feedback, then refresh every reward the new ones touch."""
+    new_requests = insert_samples(conn, sample_rows)
+    new_feedback = insert_feedback(conn, feedback_rows)
     scrub_private_followups(
         conn,
         {row["session_id"] for row in sample_rows if row["privacy"]}
         | {row["session_id"] for row in feedback_rows if row["message"] is not None},
     )
+    # A session's end can only finalize: it never changes a final reward's components.
+    evidence = {row.request_id for row in new_feedback if row.kind != "session_end"}
     affected = load_open_samples(
         conn,
-        request_ids={row["request_id"] for row in sample_rows}
-        | {row["request_id"] for row in feedback_rows if row["kind"] != "session_end"},
-        ended_sessions={row["session_id"] for row in feedback_rows if row["kind"] == "session_end"},
+        request_ids=new_requests | evidence,
+        ended_sessions={row.session_id for row in new_feedback if row.kind == "session_end"},
     )
-    return refresh_rewards(conn, affected, config, now=now)
+    refreshed = refresh_rewards(conn, affected, config, now=now)
+    return refreshed + reconsider_final_rewards(
+        conn, load_final_samples(conn, evidence), config, now=now
+    )
 
 
 def refresh_rewards(
@@ -159,37 +173,71 @@ def refresh_rewards(
     if not sample_rows:
         return 0
     feedback = feedback_by_sample(conn, sample_rows)
-    version = config.reward_version
-    rows = []
-    for sample in sample_rows:
-        completion = _completion_of(sample)
-        events = feedback[sample.id]
-        components = distil_components(
-            completion,
-            events,
-            horizon_s=config.horizon_s,
-            latency_budget_ms=config.latency_budget_ms,
-        )
-        reason = finalize_reason(
-            completion, events, horizon_s=config.horizon_s, grace_s=config.grace_s, now=now
-        )
-        if reason == "timeout" and not sweeping:
-            reason = None
-        rows.append(
-            {
-                "sample_id": sample.id,
-                "components": components.model_dump(mode="json"),
-                "reward": compute_reward(components, version) if reason else None,
-                "reward_version": version,
-                "due_at": reward_due_at(
-                    completion, events, horizon_s=config.horizon_s, grace_s=config.grace_s
-                ),
-                "finalized_at": now if reason else None,
-                "finalize_reason": reason,
-            }
-        )
+    rows = [
+        reward_row(sample, feedback[sample.id], config, now=now, sweeping=sweeping)
+        for sample in sample_rows
+    ]
     upsert_rewards(conn, rows)
     return len(rows)
+
+
+def reconsider_final_rewards(
+    conn: Connection, final_samples: Sequence[Row[Any]], config: WorkerConfig, *, now: datetime
+) -> int:
+    """Apply new evidence to final rewards within the reopen window; count what came later."""
+    if not final_samples:
+        return 0
+    feedback = feedback_by_sample(conn, final_samples)
+    reopened, late = [], []
+    for sample in final_samples:
+        if now - sample.finalized_at > config.reopen_window:
+            late.append(sample.id)
+            continue
+        row = reward_row(sample, feedback[sample.id], config, now=now)
+        if (row["components"], row["finalize_reason"]) != (
+            sample.components,
+            sample.finalize_reason,
+        ):
+            reopened.append(row)
+    reopen_rewards(conn, reopened)
+    count_late_evidence(conn, late)
+    return len(reopened)
+
+
+def reward_row(
+    sample: Row[Any],
+    events: Sequence[Feedback],
+    config: WorkerConfig,
+    *,
+    now: datetime,
+    sweeping: bool = False,
+) -> dict[str, Any]:
+    """The reward record of a sample given all its feedback, final or still open at `now`."""
+    completion = _completion_of(sample)
+    components = distil_components(
+        completion,
+        events,
+        horizon_s=config.horizon_s,
+        latency_budget_ms=config.latency_budget_ms,
+        ttft_budget_ms=config.ttft_budget_ms,
+        tpot_budget_ms=config.tpot_budget_ms,
+    )
+    reason = finalize_reason(
+        completion, events, horizon_s=config.horizon_s, grace_s=config.grace_s, now=now
+    )
+    if reason == "timeout" and not sweeping:
+        reason = None
+    return {
+        "sample_id": sample.id,
+        "components": components.model_dump(mode="json"),
+        "reward": compute_reward(components, config.reward_version) if reason else None,
+        "reward_version": config.reward_version,
+        "due_at": reward_due_at(
+            completion, events, horizon_s=config.horizon_s, grace_s=config.grace_s
+        ),
+        "finalized_at": now if reason else None,
+        "finalize_reason": reason,
+    }
 
 
 def feedback_by_sample(conn: Connection, sample_rows: Sequence[Row[Any]]) -> dict[int, list[Any]]:
@@ -224,6 +272,7 @@ def _completion_of(sample: Row[Any]) -> CompletionEvent:
             "status": sample.status,
             "ttft_ms": sample.ttft_ms,
             "latency_ms": sample.latency_ms,
+            "completion_tokens": sample.completion_tokens,
             "tool_calls": sample.tool_calls,
             "malformed_tool_calls": sample.malformed_tool_calls,
         }

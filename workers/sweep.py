@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
-from sqlalchemy import ARRAY, BigInteger, Connection, Engine, Float, bindparam, select, text
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Connection,
+    DateTime,
+    Engine,
+    Float,
+    Integer,
+    and_,
+    bindparam,
+    cast,
+    func,
+    or_,
+    select,
+    text,
+)
 
 from app.signals.rewards import RewardComponents, compute_reward, reward_weights
 from workers.config import WorkerConfig
-from workers.repository import load_open_samples, rewards
+from workers.repository import load_open_samples, lock_partitions, rewards, samples
 from workers.store import refresh_rewards
 
 SWEEP_CHUNK = 500
@@ -27,23 +42,54 @@ _SET_REWARDS = text(
 
 
 def finalize_due(
-    conn: Connection, config: WorkerConfig, *, now: datetime, limit: int = SWEEP_CHUNK
+    conn: Connection,
+    config: WorkerConfig,
+    *,
+    now: datetime,
+    watermarks: Mapping[int, datetime] | None = None,
+    limit: int = SWEEP_CHUNK,
 ) -> int:
-    """Finalize up to `limit` open rewards due by `now`; rows another sweeper holds are skipped.
+    """Finalize up to `limit` open rewards that are due; rows another sweeper holds are skipped.
 
+    With `watermarks` (partition number -> how far that partition's stream has been read, in
+    event time) only those partitions' rewards are swept, each due by its own watermark and
+    under its partition lock, so a worker never times out a reward whose feedback it (or a
+    lagging peer) has not read yet. Without, every partition is due by `now` (ops' sweeps).
     Each is distilled once more from all its feedback first, so the final record is complete.
     """
-    due = (
-        conn.execute(
-            select(rewards.c.sample_id)
-            .where(rewards.c.finalized_at.is_(None), rewards.c.due_at <= now)
-            .order_by(rewards.c.due_at)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        )
-        .scalars()
-        .all()
+    query = (
+        select(rewards.c.sample_id)
+        .where(rewards.c.finalized_at.is_(None))
+        .order_by(rewards.c.due_at)
+        .limit(limit)
+        .with_for_update(of=rewards, skip_locked=True)
     )
+    if watermarks is None:
+        query = query.where(rewards.c.due_at <= now)
+    else:
+        if not watermarks:
+            return 0
+        lock_partitions(conn, watermarks)
+        marks = (
+            func.unnest(
+                cast(list(watermarks), ARRAY(Integer)),
+                cast(list(watermarks.values()), ARRAY(DateTime(timezone=True))),
+            )
+            .table_valued("partition", "mark")
+            .render_derived()
+        )
+        query = (
+            query.join(samples, samples.c.id == rewards.c.sample_id)
+            .outerjoin(marks, marks.c.partition == samples.c.kafka_partition)
+            .where(
+                or_(
+                    rewards.c.due_at <= marks.c.mark,
+                    # Stored before samples recorded their partition: due by the clock.
+                    and_(samples.c.kafka_partition.is_(None), rewards.c.due_at <= now),
+                )
+            )
+        )
+    due = conn.execute(query).scalars().all()
     if not due:
         return 0
     refresh_rewards(conn, load_open_samples(conn, sample_ids=due), config, now=now, sweeping=True)
@@ -51,16 +97,20 @@ def finalize_due(
 
 
 def finalize_due_rewards(
-    bind: Engine | Connection, config: WorkerConfig, *, now: datetime | None = None
+    bind: Engine | Connection,
+    config: WorkerConfig,
+    *,
+    now: datetime | None = None,
+    watermarks: Mapping[int, datetime] | None = None,
 ) -> int:
-    """Finalize every open reward whose due time has passed; several workers may run it at once.
-
-    With an engine each chunk commits on its own; with a connection, all in its transaction.
+    """Finalize every open reward that is due (see `finalize_due`); several workers may run
+    it at once. With an engine each chunk commits on its own; with a connection, all in its
+    transaction.
     """
     total = 0
     while True:
         with _transaction(bind) as conn:
-            swept = finalize_due(conn, config, now=now or datetime.now(UTC))
+            swept = finalize_due(conn, config, now=now or datetime.now(UTC), watermarks=watermarks)
         total += swept
         if swept < SWEEP_CHUNK:
             return total

@@ -18,7 +18,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from app.events import COMPLETIONS_TOPIC, CompletionEvent
+from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus
 from app.gateway.assignment import Assignment, RoutingCache
 from app.gateway.metrics import (
     COMPLETION_LATENCY,
@@ -102,6 +102,19 @@ class CompletionRecord:
     error: str | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    cancelled: bool = False
+    """The client went away before the end of the stream."""
+
+    @property
+    def status(self) -> CompletionStatus:
+        """How the completion ended (see `CompletionEvent.status`)."""
+        if self.error is not None:
+            return "error"
+        if self.cancelled:
+            return "cancelled"
+        if self.finish_reason is None:
+            return "truncated"
+        return "ok"
 
     @property
     def text(self) -> str:
@@ -328,6 +341,9 @@ class Gateway:
                     if choice.get("index", 0) == 0:
                         record.add_choice(choice, message_key="delta", now=now)
                 yield b"data: " + orjson.dumps(self._client_view(call, chunk)) + b"\n\n"
+        except (GeneratorExit, asyncio.CancelledError):
+            record.cancelled = True
+            raise
         except BROKEN as exc:
             record.error = f"stream broken: {type(exc).__name__}: {exc}"[:2000]
             self.upstream.failed_midway(response.replica, exc)
@@ -398,8 +414,6 @@ class Gateway:
     ) -> None:
         """Log a relayed stream once: at its `[DONE]`, or however else it stopped."""
         record.finished_at = time.perf_counter()
-        if record.finish_reason is None and record.error is None:
-            record.finish_reason = "cancelled"
         self._log_completion(call, assignment, record)
 
     def _log_failure(self, call: ChatCall, assignment: Assignment, error: str) -> None:
@@ -465,10 +479,11 @@ def completion_event(
         behaviour_logprobs=logprobs if content else None,
         completion_text=text if content else None,
         finish_reason=record.finish_reason,
-        status="error" if record.error is not None else "ok",
+        status=record.status,
         error=record.error,
         ttft_ms=max((first - call.started) * 1000, 0.0),
         latency_ms=max(latency_ms, 0.0),
+        completion_tokens=len(record.completion_token_ids),
         tool_calls=check.calls,
         malformed_tool_calls=check.malformed,
         proposed_edit=proposes_edit(text, check),

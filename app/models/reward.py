@@ -31,6 +31,10 @@ class Reward(Base):
     due_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     finalized_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finalize_reason: Mapped[str | None] = mapped_column(String(32))
+    reopen_count: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    """Times evidence arrived after finalization, within the reopen window, and was applied."""
+    late_evidence_count: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    """Evidence that arrived after the reopen window: stored, counted, not applied."""
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), nullable=False
     )

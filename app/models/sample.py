@@ -60,6 +60,9 @@ class Sample(CreatedAt, Base):
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     ttft_ms: Mapped[float] = mapped_column(Float, nullable=False)
     latency_ms: Mapped[float] = mapped_column(Float, nullable=False)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    kafka_partition: Mapped[int | None] = mapped_column(Integer)
+    """The partition its events travel on: the sweep finalizes a partition by its own stream."""
     tool_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     malformed_tool_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     served_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

@@ -3,6 +3,11 @@
 Pure functions: the worker loads a completion and the feedback reported for it, distils
 the components (stored raw, so history can be replayed under a new formula), decides
 whether the reward is final, and computes it with a numbered `RewardWeights` version.
+
+Every decision here is a function of the *set* of events, never of their arrival order:
+finality comes from evidence (the horizon report; a session that ended with nothing left to
+report) or from event time (horizon + grace after acceptance), so the worker reaches the
+same record whichever event it saw first.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.events import (
     CompletionEvent,
+    CompletionStatus,
     EditAccepted,
     EditRejected,
     EditSurvival,
@@ -26,8 +32,9 @@ from app.signals.followup import is_dissatisfied
 
 Feedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd
 FinalizeReason = Literal["horizon", "session_end", "timeout"]
-"""horizon: a survival report at (or past) the horizon arrived; session_end: the session ended;
-timeout: horizon + grace passed since acceptance, or since the completion if never accepted."""
+"""horizon: a survival report at (or past) the horizon arrived; session_end: the session ended
+and nothing more can be reported (no edit accepted); timeout: horizon + grace passed since
+acceptance, or since the completion if never accepted."""
 
 HORIZON_TOLERANCE_S = 1.0
 """A survival report within this of the horizon is the horizon report (IDE timers drift)."""
@@ -51,8 +58,21 @@ class RewardComponents(BaseModel):
     """From the first follow-up; None when there was none."""
     latency_ms: float
     latency_over_budget: bool
+    """End to end: an A/B metric, and formula 1's penalty (which also punished long answers)."""
     malformed_tool_calls: int = Field(ge=0)
-    status: Literal["ok", "error"]
+    status: CompletionStatus
+    ttft_ms: float | None = None
+    """Time to first token."""
+    tpot_ms: float | None = None
+    """Time per output token after the first; None with fewer than two tokens."""
+    ttft_over_budget: bool = False
+    tpot_over_budget: bool = False
+
+    @property
+    def kept_unknown(self) -> bool:
+        """An edit was proposed (or accepted) and its fate never reported: no reward can be
+        computed from it."""
+        return self.kept is None and (self.proposed_edit or self.accepted is True)
 
 
 class RewardWeights(BaseModel):
@@ -62,7 +82,12 @@ class RewardWeights(BaseModel):
 
     kept_weight: float = Field(ge=0)
     dissatisfied_penalty: float = Field(ge=0)
-    latency_penalty: float = Field(ge=0)
+    latency_penalty: float = Field(default=0.0, ge=0)
+    """On end-to-end latency over budget."""
+    ttft_penalty: float = Field(default=0.0, ge=0)
+    """On time to first token over budget."""
+    tpot_penalty: float = Field(default=0.0, ge=0)
+    """On time per output token over budget: slow generation, not a long answer."""
     malformed_tool_call_penalty: float = Field(gt=0)
     """Strictly positive: a malformed tool call is always an explicit negative."""
     error_penalty: float = Field(ge=0)
@@ -73,6 +98,16 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
         kept_weight=1.0,
         dissatisfied_penalty=0.5,
         latency_penalty=0.2,
+        malformed_tool_call_penalty=1.0,
+        error_penalty=0.5,
+    ),
+    # Latency from time to first token and per output token: a long, correct edit is not
+    # punished for its length.
+    2: RewardWeights(
+        kept_weight=1.0,
+        dissatisfied_penalty=0.5,
+        ttft_penalty=0.1,
+        tpot_penalty=0.1,
         malformed_tool_call_penalty=1.0,
         error_penalty=0.5,
     ),
@@ -97,6 +132,19 @@ def _feedback_for(completion: CompletionEvent, feedback: Iterable[Feedback]) -> 
     return sorted(unique.values(), key=lambda event: (event.occurred_at, str(event.event_id)))
 
 
+def acceptance(events: Sequence[Feedback]) -> bool | None:
+    """True when any hunk was accepted, False when only rejected, None when neither was seen.
+
+    Any acceptance wins over a rejection: with multi-hunk edits a user accepts some hunks
+    and rejects others, and survival then measures what actually stayed.
+    """
+    if any(isinstance(e, EditAccepted) for e in events):
+        return True
+    if any(isinstance(e, EditRejected) for e in events):
+        return False
+    return None
+
+
 def _survival_at_horizon(reports: Sequence[EditSurvival], horizon_s: float) -> EditSurvival | None:
     """The horizon report, else the latest one before it; reports after the horizon don't count."""
     in_window = [r for r in reports if r.elapsed_s <= horizon_s + HORIZON_TOLERANCE_S]
@@ -109,17 +157,12 @@ def distil_components(
     *,
     horizon_s: float,
     latency_budget_ms: float,
+    ttft_budget_ms: float = float("inf"),
+    tpot_budget_ms: float = float("inf"),
 ) -> RewardComponents:
     """The reward components of a completion, whatever the order or duplication of its feedback."""
     events = _feedback_for(completion, feedback)
-    # Any acceptance wins over a rejection: with multi-hunk edits a user accepts some hunks
-    # and rejects others, and survival then measures what actually stayed.
-    if any(isinstance(e, EditAccepted) for e in events):
-        accepted: bool | None = True
-    elif any(isinstance(e, EditRejected) for e in events):
-        accepted = False
-    else:
-        accepted = None
+    accepted = acceptance(events)
 
     kept: float | None = None
     survival_elapsed_s: float | None = None
@@ -141,6 +184,7 @@ def distil_components(
             is_dissatisfied(first.message) if first.message is not None else first.dissatisfied
         )
 
+    tpot_ms = time_per_output_token(completion)
     return RewardComponents(
         edit_requested=completion.edit_requested,
         proposed_edit=completion.proposed_edit,
@@ -152,7 +196,19 @@ def distil_components(
         latency_over_budget=completion.latency_ms > latency_budget_ms,
         malformed_tool_calls=completion.malformed_tool_calls,
         status=completion.status,
+        ttft_ms=completion.ttft_ms,
+        tpot_ms=tpot_ms,
+        ttft_over_budget=completion.ttft_ms > ttft_budget_ms,
+        tpot_over_budget=tpot_ms is not None and tpot_ms > tpot_budget_ms,
     )
+
+
+def time_per_output_token(completion: CompletionEvent) -> float | None:
+    """Generation time per token after the first; None when fewer than two were generated."""
+    tokens = completion.completion_tokens
+    if tokens is None or tokens < 2:
+        return None
+    return max(completion.latency_ms - completion.ttft_ms, 0.0) / (tokens - 1)
 
 
 def reward_due_at(
@@ -177,14 +233,18 @@ def finalize_reason(
     grace_s: float,
     now: datetime,
 ) -> FinalizeReason | None:
-    """Why the reward is final at `now` (see FinalizeReason), or None while it is still open."""
+    """Why the reward is final at `now` (see FinalizeReason), or None while it is still open.
+
+    A session's end finalizes only what can receive no more evidence: an accepted edit still
+    waits for its horizon report (or horizon + grace), however early the session ended.
+    """
     events = _feedback_for(completion, feedback)
     if any(
         isinstance(e, EditSurvival) and e.elapsed_s >= horizon_s - HORIZON_TOLERANCE_S
         for e in events
     ):
         return "horizon"
-    if any(isinstance(e, SessionEnd) for e in events):
+    if any(isinstance(e, SessionEnd) for e in events) and acceptance(events) is not True:
         return "session_end"
     if now >= reward_due_at(completion, events, horizon_s=horizon_s, grace_s=grace_s):
         return "timeout"
@@ -213,14 +273,22 @@ def reward_weights(version: int) -> RewardWeights:
         raise ValueError(f"unknown reward version {version}; known versions: {known}") from None
 
 
-def compute_reward(components: RewardComponents, version: int) -> float:
-    """The scalar reward of final components under a formula version; unknown kept counts 0."""
+def compute_reward(components: RewardComponents, version: int) -> float | None:
+    """The scalar reward of final components under a formula version.
+
+    None when an edit was proposed and its fate never reported: an unknown kept share is
+    not a zero, so such a sample is left out of training and of the kept metric.
+    """
     weights = reward_weights(version)
+    if components.kept_unknown:
+        return None
     kept = components.kept if components.kept is not None else 0.0
     return (
         weights.kept_weight * kept
         - weights.dissatisfied_penalty * bool(components.dissatisfied)
         - weights.latency_penalty * components.latency_over_budget
+        - weights.ttft_penalty * components.ttft_over_budget
+        - weights.tpot_penalty * components.tpot_over_budget
         - weights.malformed_tool_call_penalty * (components.malformed_tool_calls > 0)
         - weights.error_penalty * (components.status == "error")
     )

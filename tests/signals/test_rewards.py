@@ -76,7 +76,12 @@ def followup(seconds: float, message: str | None = None, **verdict: Any) -> Foll
 
 def distil(feedback: list[Feedback], **overrides: Any) -> RewardComponents:
     return distil_components(
-        completion(**overrides), feedback, horizon_s=HORIZON_S, latency_budget_ms=BUDGET_MS
+        completion(**overrides),
+        feedback,
+        horizon_s=HORIZON_S,
+        latency_budget_ms=BUDGET_MS,
+        ttft_budget_ms=1000.0,
+        tpot_budget_ms=100.0,
     )
 
 
@@ -209,12 +214,30 @@ def test_version_1_formula() -> None:
     assert compute_reward(components, 1) == pytest.approx(0.8 - 0.5 - 0.2 - 1.0 - 0.5)
 
 
-def test_missing_kept_counts_as_zero() -> None:
-    assert compute_reward(distil([accepted()]), 1) == 0.0
+def test_an_edit_whose_fate_is_unknown_has_no_reward_rather_than_zero() -> None:
+    for version in REWARD_VERSIONS:
+        assert compute_reward(distil([accepted()]), version) is None  # no survival report
+        assert compute_reward(distil([]), version) is None  # never accepted or rejected
+        assert compute_reward(distil([rejected()]), version) == 0.0
+        # No edit asked or made: nothing to keep, the other components decide.
+        assert compute_reward(distil([], edit_requested=False, proposed_edit=False), version) == 0
+
+
+def test_version_2_charges_slow_tokens_not_long_answers() -> None:
+    kept = [accepted(), survival(900, 1.0)]
+    long_and_fast = distil(kept, ttft_ms=200.0, latency_ms=6200.0, completion_tokens=601)
+    slow_tokens = distil(kept, ttft_ms=200.0, latency_ms=6200.0, completion_tokens=31)
+    slow_start = distil(kept, ttft_ms=3000.0, latency_ms=3100.0, completion_tokens=11)
+    assert long_and_fast.tpot_ms == pytest.approx(10.0)
+    assert compute_reward(long_and_fast, 1) == pytest.approx(0.8)  # version 1 charged length
+    assert compute_reward(long_and_fast, 2) == 1.0
+    assert compute_reward(slow_tokens, 2) == pytest.approx(0.9)
+    assert compute_reward(slow_start, 2) == pytest.approx(0.9)
+    assert distil(kept, completion_tokens=1).tpot_ms is None
 
 
 def test_unknown_version_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown reward version 99; known versions: 1"):
+    with pytest.raises(ValueError, match=r"unknown reward version 99; known versions: 1, 2"):
         compute_reward(distil([]), 99)
     assert LATEST_REWARD_VERSION in REWARD_VERSIONS
 
@@ -232,9 +255,24 @@ def test_final_when_the_horizon_report_arrives() -> None:
     assert reason([accepted(), survival(900, 0.5)], now=at(915)) == "horizon"
 
 
-def test_final_when_the_session_ends() -> None:
+def test_the_session_end_finalizes_only_what_can_learn_nothing_more() -> None:
     ended = SessionEnd(session_id="s1", request_id="r9", occurred_at=at(50))
-    assert reason([accepted(), survival(30, 1.0), ended], now=at(60)) == "session_end"
+    assert reason([rejected(), ended], now=at(60)) == "session_end"
+    assert reason([ended], now=at(60)) == "session_end"  # never accepted
+    assert reason([ended], now=at(60), proposed_edit=False) == "session_end"
+    # An accepted edit waits for its horizon report, however early the session ended.
+    assert reason([accepted(), survival(30, 1.0), ended], now=at(60)) is None
+    assert reason([accepted(), ended, survival(900, 1.0)], now=at(915)) == "horizon"
+
+
+def test_finality_depends_on_the_events_not_their_order() -> None:
+    ended = SessionEnd(session_id="s1", request_id="r9", occurred_at=at(50))
+    events: list[Feedback] = [ended, accepted(), survival(120, 0.5), followup(30, "ok")]
+    rng = random.Random(3)
+    for _ in range(20):
+        rng.shuffle(events)
+        assert reason(events, now=at(200)) is None
+        assert reason(events, now=at(10 + HORIZON_S + GRACE_S)) == "timeout"
 
 
 def test_open_until_horizon_plus_grace_after_acceptance() -> None:

@@ -1,7 +1,8 @@
 """The worker's Postgres handlers as plain functions: no broker, one rolled-back transaction."""
 
+import dataclasses
 import math
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, select
@@ -153,7 +154,7 @@ def test_privacy_samples_keep_metrics_only(conn: Connection, events: Any) -> Non
     assert public_sample.completion_token_ids == [4, 5]
 
 
-def test_session_end_finalizes_every_open_reward_of_the_session(
+def test_session_end_finalizes_only_what_can_learn_nothing_more(
     conn: Connection, events: Any
 ) -> None:
     store(
@@ -164,13 +165,9 @@ def test_session_end_finalizes_every_open_reward_of_the_session(
         events.survival(1, 120, 1.0, session=0),
     )
     store(conn, events.session_end(2, session=0))
-    late = events.followup(1, "wrong again", after_s=300, session=0)
-    store(conn, late)
 
     first, second = reward_of(conn, events.request(1)), reward_of(conn, events.request(2))
-    assert (first.finalize_reason, second.finalize_reason) == ("session_end", "session_end")
-    assert first.components["dissatisfied"] is None  # arrived after the reward was final
-    assert first.reward == 1.0
+    assert second.finalize_reason == "session_end"
     assert second.components["kept"] == 0.0  # an edit was asked for and none proposed
     assert second.reward == compute_reward(
         distil_components(
@@ -181,6 +178,48 @@ def test_session_end_finalizes_every_open_reward_of_the_session(
         ),
         CONFIG.reward_version,
     )
+    # The accepted edit still waits for its horizon report, which settles it when it comes.
+    assert first.finalized_at is None
+    store(conn, events.followup(1, "wrong again", after_s=300, session=0))
+    store(conn, events.survival(1, CONFIG.horizon_s, 1.0, session=0))
+    first = reward_of(conn, events.request(1))
+    assert first.finalize_reason == "horizon"
+    assert first.components["dissatisfied"] is True
+    assert first.reward == 0.5
+
+
+def test_late_evidence_reopens_a_final_reward_within_the_window_and_is_counted_after(
+    conn: Connection, events: Any
+) -> None:
+    store(conn, events.completion(1), events.rejected(1), events.session_end(1))
+    store(conn, events.completion(2), events.rejected(2), events.session_end(2))
+    assert reward_of(conn, events.request(1)).reward == 0.0
+
+    late = events.followup(1, "that is wrong, revert that", after_s=30)
+    store(conn, late)
+    store(conn, late)  # a redelivery is not new evidence
+    reopened = reward_of(conn, events.request(1))
+    assert reopened.finalize_reason == "session_end"
+    assert reopened.components["dissatisfied"] is True
+    assert reopened.reward == -0.5
+    assert (reopened.reopen_count, reopened.late_evidence_count) == (1, 0)
+
+    closed = dataclasses.replace(CONFIG, reopen_window=timedelta(0))
+    store_events(
+        conn,
+        [],
+        [feedback_row(events.followup(2, "revert that", after_s=30))],
+        closed,
+        now=datetime.now(UTC),
+    )
+    standing = reward_of(conn, events.request(2))
+    assert standing.components["dissatisfied"] is None
+    assert standing.reward == 0.0
+    assert (standing.reopen_count, standing.late_evidence_count) == (0, 1)
+    stored = conn.execute(
+        select(feedback_events.c.kind).where(feedback_events.c.request_id == events.request(2))
+    ).scalars()
+    assert "followup_message" in list(stored)  # counted and kept, not lost
 
 
 def test_a_survival_report_at_the_horizon_finalizes(conn: Connection, events: Any) -> None:

@@ -54,7 +54,9 @@ def test_sweep_finalizes_rewards_once_they_are_due(conn: Connection, events: Any
     found = rewards_of(conn, events.prefix)
     assert found[events.request(2)].finalize_reason == "timeout"
     assert found[events.request(2)].finalized_at == due_r2
-    assert found[events.request(2)].reward == 0.0
+    # An edit whose fate was never reported has no reward: unknown is not zero.
+    assert found[events.request(2)].reward is None
+    assert found[events.request(2)].components["kept"] is None
     assert found[events.request(1)].finalized_at is None
     assert found[events.request(3)].finalize_reason == "horizon"  # finalized by the stream
 
@@ -71,10 +73,11 @@ def test_recompute_replays_another_formula_over_final_rewards(
     seed(conn, events)
     finalize_due_rewards(conn, CONFIG, now=datetime.now(UTC) + timedelta(days=1))
     before = rewards_of(conn, events.prefix)
-    assert {r.reward_version for r in before.values()} == {1}
+    assert {r.reward_version for r in before.values()} == {CONFIG.reward_version}
+    replayed = max(REWARD_VERSIONS) + 1
     monkeypatch.setitem(
         REWARD_VERSIONS,
-        2,
+        replayed,
         RewardWeights(
             kept_weight=2.0,
             dissatisfied_penalty=0.5,
@@ -84,13 +87,13 @@ def test_recompute_replays_another_formula_over_final_rewards(
         ),
     )
 
-    assert recompute_rewards(conn, 2) >= 3
+    assert recompute_rewards(conn, replayed) >= 3
 
     after = rewards_of(conn, events.prefix)
-    assert {r.reward_version for r in after.values()} == {2}
+    assert {r.reward_version for r in after.values()} == {replayed}
     assert {request: r.reward for request, r in after.items()} == {
         events.request(1): 1.0,
-        events.request(2): 0.0,
+        events.request(2): None,
         events.request(3): 2.0,
     }
     assert all(after[k].components == before[k].components for k in before)

@@ -169,6 +169,20 @@ class FullStack:
     def roles(self) -> list[RtrlProcess]:
         return [self.gateway, *self.workers, *([self.trainer] if self.trainer else [])]
 
+    def others_running(self) -> list[RtrlProcess]:
+        """Roles an earlier `up` started that this one was not asked for (more workers, or a
+        trainer), found by their pid files, so `down` stops whatever `up` started."""
+        known = {process.name for process in self.roles()}
+        root, logs, env = self.gateway.root, self.gateway.logs_dir, self.gateway.environment
+        found = []
+        for pid_file in sorted(root.glob("*.pid")):
+            name = pid_file.stem
+            if name in known or not (name.startswith("worker-") or name == "trainer"):
+                continue
+            arguments = ["trainer"] if name == "trainer" else ["worker"]
+            found.append(RtrlProcess(name, arguments, root, logs, env))
+        return found
+
     def ensure_base_model(self) -> None:
         model_dir = self.settings.base_model_path
         if (model_dir / "config.json").is_file():
@@ -188,7 +202,7 @@ class FullStack:
         def wanted(name: str) -> bool:
             return not started_only or name in self.started
 
-        for process in reversed(self.roles()):
+        for process in reversed(self.roles() + self.others_running()):
             if wanted(process.name):
                 process.stop()
         if self.vllm is not None and wanted(self.vllm.name):

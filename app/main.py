@@ -64,7 +64,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.sink = sink
             app.state.authenticator = Authenticator(session_maker)
             app.state.rate_limiter = RateLimiter(redis, settings.rate_limit_per_minute)
-            app.state.gateway = Gateway(upstream=upstream, routing=routing, sink=sink, redis=redis)
+            app.state.gateway = Gateway(
+                upstream=upstream,
+                routing=routing,
+                sink=sink,
+                redis=redis,
+                session_maker=session_maker,
+            )
             yield
         finally:
             await routing.stop()

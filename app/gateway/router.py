@@ -3,9 +3,9 @@
 Headers the gateway reads:
   Authorization: Bearer <key>   an `ide` key.
   X-Session-Id                  required; the IDE session, key of the logged events.
-  X-Request-Id                  optional; unique per request (a reused one is answered 409,
-                                since a completion is never replayed); generated if absent
-                                and always returned in the response header.
+  X-Request-Id                  optional; unique forever (a reused one is answered 409 at
+                                any age, since a completion is never replayed); generated if
+                                absent and always returned in the response header.
   X-User-Id                     optional; the IDE's stable user id (default: the key's id).
   X-Rtrl-Privacy: 1             optional; no content is logged (also a per-key setting).
   X-Rtrl-Edit-Request: 1|0      optional; whether the user asked for an edit (default: a
@@ -61,7 +61,8 @@ async def chat_completions(
     gateway: Gateway = request.app.state.gateway
     settings: Settings = request.app.state.settings
     session_id = _required_id_header(request, "x-session-id")
-    request_id = _id_header(request, "x-request-id") or request.state.request_id
+    client_request_id = _id_header(request, "x-request-id")
+    request_id = client_request_id or request.state.request_id
     user_id = _id_header(request, "x-user-id", max_length=256) or str(principal.key_id)
     body, chat = await _chat_body(request)
     edit_header = _flag_header(request, "x-rtrl-edit-request")
@@ -70,6 +71,7 @@ async def chat_completions(
         body=body,
         session_id=session_id,
         request_id=request_id,
+        client_request_id=client_request_id is not None,
         user_hash=hash_user(settings.user_hash_secret.get_secret_value(), user_id),
         api_key_id=principal.key_id,
         privacy=principal.privacy_mode or bool(_flag_header(request, "x-rtrl-privacy")),

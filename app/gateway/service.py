@@ -17,6 +17,9 @@ import anyio
 import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus
 from app.gateway.assignment import Assignment, RoutingCache
@@ -43,6 +46,7 @@ from app.gateway.upstream import (
     UpstreamUnavailable,
 )
 from app.http.errors import ApiError
+from app.models import Sample
 from app.serving.vllm import vllm_device
 
 log = logging.getLogger(__name__)
@@ -50,7 +54,8 @@ T = TypeVar("T")
 
 CHAT_PATH = "/v1/chat/completions"
 REQUEST_ID_TTL_S = 6 * 3600
-"""How long a served request id is remembered: for duplicate checks and feedback."""
+"""How long Redis remembers a served request id: the window in which feedback for it is
+accepted. Uniqueness has no window: past it, Postgres' samples still refuse a reused id."""
 # vLLM extension fields the gateway always asks for and hides unless the client asked too.
 _TOKEN_ID_FIELDS = ("prompt_token_ids", "prompt_text")
 
@@ -79,6 +84,8 @@ class ChatCall:
     received_at: datetime
     started: float
     """`time.perf_counter()` when the request arrived."""
+    client_request_id: bool = False
+    """The client chose the request id (X-Request-Id); a generated one cannot collide."""
 
     @property
     def wants_logprobs(self) -> bool:
@@ -160,11 +167,13 @@ class Gateway:
         routing: RoutingCache,
         sink: EventSink,
         redis: Redis,
+        session_maker: async_sessionmaker[AsyncSession] | None = None,
     ) -> None:
         self.upstream = upstream
         self.routing = routing
         self.sink = sink
         self.redis = redis
+        self.session_maker = session_maker
 
     async def assign(self, user_hash: str) -> Assignment:
         """The checkpoint that serves this user now, falling back to production if unserved."""
@@ -176,8 +185,10 @@ class Gateway:
             FALLBACKS.labels(assignment.unserved).inc()
         return assignment
 
-    async def reserve_request_id(self, request_id: str, session_id: str) -> None:
-        """Remember the request id for feedback; 409 when it was already used."""
+    async def reserve_request_id(
+        self, request_id: str, session_id: str, *, chosen_by_client: bool = True
+    ) -> None:
+        """Remember the request id for feedback; 409 when it was already used, at any age."""
         try:
             fresh = await self.redis.set(
                 request_key(request_id), session_id, nx=True, ex=REQUEST_ID_TTL_S
@@ -186,14 +197,25 @@ class Gateway:
             log.warning("request id %s not recorded: Redis unavailable", request_id)
             return
         if not fresh:
-            raise ApiError(
-                409,
-                f"Request id {request_id!r} was already used; a completion is never replayed. "
-                "Send a new X-Request-Id.",
-                type="conflict_error",
-                code="duplicate_request_id",
-                param="X-Request-Id",
-            )
+            raise _duplicate(request_id)
+        if chosen_by_client and await self._stored_long_ago(request_id):
+            # Redis forgot it; the id must not now point feedback at this new session.
+            await self.release_request_id(request_id)
+            raise _duplicate(request_id)
+
+    async def _stored_long_ago(self, request_id: str) -> bool:
+        """Whether a sample with this id is stored (Redis remembers only the recent ones)."""
+        if self.session_maker is None:
+            return False
+        try:
+            async with self.session_maker() as session:
+                found = await session.scalar(
+                    select(Sample.id).where(Sample.request_id == request_id).limit(1)
+                )
+        except OperationalError:
+            log.warning("request id %s not checked in Postgres: unavailable", request_id)
+            return False
+        return found is not None
 
     async def _alongside(self, call: ChatCall, model_call: Awaitable[T]) -> T:
         """The model call's result once the request id is known to be fresh.
@@ -202,7 +224,9 @@ class Gateway:
         path; a reused id cancels the call, and a call that served nothing frees the id.
         """
         reservation = asyncio.ensure_future(
-            self.reserve_request_id(call.request_id, call.session_id)
+            self.reserve_request_id(
+                call.request_id, call.session_id, chosen_by_client=call.client_request_id
+            )
         )
         work = asyncio.ensure_future(model_call)
         try:
@@ -489,6 +513,17 @@ def completion_event(
         proposed_edit=proposes_edit(text, check),
         completion_chars=len(text),
         clarifying_question=asks_clarifying_question(text, check),
+    )
+
+
+def _duplicate(request_id: str) -> ApiError:
+    return ApiError(
+        409,
+        f"Request id {request_id!r} was already used; a completion is never replayed. "
+        "Send a new X-Request-Id.",
+        type="conflict_error",
+        code="duplicate_request_id",
+        param="X-Request-Id",
     )
 
 

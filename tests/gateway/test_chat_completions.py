@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import redis
 from openai import OpenAI
 from sqlalchemy import Engine, select
 
 from app.db import session_scope
-from app.events import COMPLETIONS_TOPIC
+from app.events import COMPLETIONS_TOPIC, CompletionEvent
+from app.gateway.service import request_key
 from app.models import Checkpoint, CheckpointStatus
+from workers.config import WorkerConfig
+from workers.store import sample_row, store_events
 
 TOOLS = [
     {
@@ -241,6 +246,77 @@ def test_a_reused_request_id_is_refused(gateway_server: Any, ide_key: str) -> No
     assert refused.value.body["code"] == "duplicate_request_id"
 
 
+def test_a_request_id_is_refused_at_any_age_even_after_redis_forgot_it(
+    gateway_server: Any, ide_key: str, kafka: Any, engine: Engine, stack: Any
+) -> None:
+    session, request_id = new_id("s"), new_id("r")
+    client = client_for(gateway_server, ide_key, session)
+    ask: dict[str, Any] = {
+        "model": "rtrl",
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "extra_headers": {"X-Request-Id": request_id},
+    }
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    client.chat.completions.create(**ask)
+    (event,) = [
+        e
+        for e in kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests({request_id}))
+        if e["request_id"] == request_id
+    ]
+    # Long after: the sample is in Postgres, and Redis' reservation has expired.
+    with engine.begin() as conn:
+        store_events(
+            conn,
+            [sample_row(as_completion(event))],
+            [],
+            WorkerConfig(),
+            now=datetime.now(UTC),
+        )
+    reservations = redis.Redis.from_url(stack.redis.url)
+    reservations.delete(request_key(request_id))
+
+    with pytest.raises(openai.ConflictError) as refused:
+        client.chat.completions.create(**ask)
+    assert refused.value.body["code"] == "duplicate_request_id"
+    assert reservations.get(request_key(request_id)) is None  # feedback is not redirected
+    fresh = client.chat.completions.create(**{**ask, "extra_headers": {}})
+    assert fresh.choices
+
+
+def test_a_stream_the_client_abandons_is_logged_as_cancelled_and_never_trained(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    session, request_id = new_id("s"), new_id("r")
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    body = {
+        "model": "rtrl",
+        "messages": MESSAGES,
+        "max_tokens": 200,  # the tiny model's context is 256 tokens
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {
+        "Authorization": f"Bearer {ide_key}",
+        "X-Session-Id": session,
+        "X-Request-Id": request_id,
+    }
+    with (
+        httpx.Client(base_url=gateway_server.url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status_code == 200
+        next(response.iter_lines())  # one chunk, then the developer closes the panel
+
+    event = next(
+        e
+        for e in kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests({request_id}))
+        if e["request_id"] == request_id
+    )
+    assert event["status"] == "cancelled"
+    assert sample_row(as_completion(event))["trainable"] is False
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -344,3 +420,8 @@ def test_unknown_routes_answer_in_the_openai_shape(gateway_server: Any) -> None:
     response = httpx.get(f"{gateway_server.url}/v1/nothing-here")
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "not_found_error"
+
+
+def as_completion(event: dict[str, Any]) -> CompletionEvent:
+    """The event as the worker decodes it (the reader adds the message key as `_key`)."""
+    return CompletionEvent.model_validate({k: v for k, v in event.items() if k != "_key"})

@@ -10,6 +10,7 @@ from typing import Any
 from app.gateway.assignment import Assignment
 from app.gateway.schemas import ChatRequest
 from app.gateway.service import ChatCall, CompletionRecord, completion_event
+from workers.store import sample_row
 
 TOOLS = [
     {
@@ -101,3 +102,18 @@ def test_tokens_without_matching_logprobs_are_not_logged_as_trainable() -> None:
 
     assert event.completion_token_ids is None and event.behaviour_logprobs is None
     assert event.clarifying_question and not event.proposed_edit
+
+
+def test_a_stream_the_model_server_ended_early_is_truncated_and_never_trained() -> None:
+    record = streamed_tool_calls()
+    record.finish_reason = None  # the stream stopped without a finish reason or [DONE]
+    cut = completion_event(call(), Assignment("base"), record)
+    left = streamed_tool_calls()
+    left.cancelled = True
+    abandoned = completion_event(call(), Assignment("base"), left)
+
+    assert (cut.status, abandoned.status) == ("truncated", "cancelled")
+    assert not sample_row(cut)["trainable"] and not sample_row(abandoned)["trainable"]
+    assert sample_row(completion_event(call(), Assignment("base"), streamed_tool_calls()))[
+        "trainable"
+    ]

@@ -41,6 +41,8 @@ rewards_cli = typer.Typer(no_args_is_help=True, help="Reward records.")
 cli.add_typer(rewards_cli, name="rewards")
 keys_cli = typer.Typer(no_args_is_help=True, help="API keys.")
 cli.add_typer(keys_cli, name="keys")
+spool_cli = typer.Typer(no_args_is_help=True, help="The gateways' event spools.")
+cli.add_typer(spool_cli, name="spool")
 
 
 def _print_statuses(statuses: list[ServiceStatus]) -> None:
@@ -238,6 +240,52 @@ def gateway(
     settings = get_settings()
     updates = {k: v for k, v in {"gateway_host": host, "gateway_port": port}.items() if v}
     run_gateway(settings.model_copy(update=updates))
+
+
+@spool_cli.command("replay")
+def spool_replay(
+    since: str | None = typer.Option(
+        None, help="Only events spooled since: an ISO 8601 time, or a duration ago (PT2H)."
+    ),
+    timeout: float = typer.Option(300.0, help="Seconds to wait for Kafka to take them."),
+) -> None:
+    """Send the retained events of stopped gateways' spools to Kafka again (workers dedupe)."""
+    from app.gateway.replay import parse_since, replay_spools
+    from app.gateway.spool import Retention
+
+    settings = get_settings()
+    try:
+        start = parse_since(since) if since else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--since") from None
+    report = replay_spools(
+        settings.kafka_bootstrap_servers,
+        settings.spool_dir,
+        Retention(settings.spool_retention, settings.spool_retention_bytes),
+        since=start,
+        timeout_s=timeout,
+    )
+    sent = report.retained + report.pending - report.left
+    typer.echo(
+        f"sent {sent} events from {len(report.spools)} spools in {report.seconds:.1f} s "
+        f"({report.retained} retained sent again, {report.pending} not yet delivered)"
+    )
+    for directory in report.held:
+        typer.secho(
+            f"error: {directory} is held by a running gateway, which sends its retained "
+            "events again itself when it sees the broker lost them; stop it to replay by hand",
+            fg=typer.colors.RED,
+            err=True,
+        )
+    if report.left:
+        typer.secho(
+            f"error: Kafka at {settings.kafka_bootstrap_servers} did not take {report.left} "
+            f"events within {timeout:.0f} s; they stay spooled",
+            fg=typer.colors.RED,
+            err=True,
+        )
+    if report.held or report.left:
+        raise typer.Exit(1)
 
 
 @keys_cli.command("create")

@@ -112,6 +112,17 @@ class Settings(BaseSettings):
     spool_memory_events: int = Field(default=10_000, ge=100)
     """Events held in memory while the disk spool refuses writes; beyond that the oldest go."""
 
+    spool_retention: timedelta = timedelta(hours=6)
+    """How long delivered events stay in the gateway's spool, to be sent again should the
+    broker lose them (seconds or ISO 8601; 0 deletes them once Kafka has them)."""
+
+    spool_retention_bytes: int = Field(default=1 << 30, ge=0)
+    """At most this many bytes of delivered events are retained; the oldest go first."""
+
+    shutdown_drain: timedelta = timedelta(seconds=20)
+    """After SIGTERM, how long a gateway lets requests finish and sends its spool to Kafka
+    before it exits (seconds or ISO 8601)."""
+
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
         self.database_url = self.database_url or embedded_database_url(self.embedded_postgres_port)
@@ -165,6 +176,8 @@ class Settings(BaseSettings):
         "reward_grace",
         "reward_reopen_window",
         "guardrail_interval",
+        "spool_retention",
+        "shutdown_drain",
         mode="before",
     )
     @classmethod
@@ -189,6 +202,13 @@ class Settings(BaseSettings):
     def _positive(cls, value: timedelta | None) -> timedelta | None:
         if value is not None and value <= timedelta(0):
             raise ValueError("must be a positive duration")
+        return value
+
+    @field_validator("spool_retention", "shutdown_drain")
+    @classmethod
+    def _not_negative(cls, value: timedelta) -> timedelta:
+        if value < timedelta(0):
+            raise ValueError("must not be a negative duration")
         return value
 
     @property

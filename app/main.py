@@ -30,27 +30,33 @@ from app.gateway.assignment import RoutingCache
 from app.gateway.router import router as gateway_router
 from app.gateway.service import Gateway
 from app.gateway.sink import EventSink
+from app.gateway.spool import Retention
 from app.gateway.upstream import Upstream
 from app.http.errors import BodySizeLimit, install_error_handlers
 from app.observability import RequestObservability, configure_logging
+from app.shutdown import DrainingServer, Shutdown, ShutdownGate
 
 log = logging.getLogger(__name__)
 
 READINESS_TIMEOUT_S = 2.0
+STRAGGLERS_S = 5.0
+"""How long uvicorn waits past the drain for requests still running before it cancels them."""
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The gateway app; its lifespan opens and closes every connection it uses."""
     settings = settings or get_settings()
+    shutdown = Shutdown(settings.shutdown_drain.total_seconds())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = make_async_engine(settings.database_url, pool_size=10, max_overflow=10)
         session_maker = async_sessionmaker(engine, expire_on_commit=False)
         redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
-        sink = EventSink(
+        sink = EventSink.claim(
             settings.kafka_bootstrap_servers,
             settings.spool_dir,
+            Retention(settings.spool_retention, settings.spool_retention_bytes),
             memory_events=settings.spool_memory_events,
         )
         upstream = Upstream(settings.vllm_urls, timeout_s=settings.upstream_timeout_s)
@@ -76,7 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await routing.stop()
             await upstream.aclose()
             # Whatever Kafka did not take by now stays in the spool for the next start.
-            await anyio.to_thread.run_sync(sink.close)
+            await anyio.to_thread.run_sync(sink.close, shutdown.remaining_s())
             await redis.aclose()
             await engine.dispose()
 
@@ -86,6 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
+    app.state.shutdown = shutdown
     app.include_router(gateway_router)
     app.include_router(feedback_router)
     app.include_router(admin_router)
@@ -96,22 +103,31 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(ShutdownGate, shutdown=shutdown)
     app.add_middleware(RequestObservability)
     return app
 
 
 def run_gateway(settings: Settings | None = None) -> None:
-    """Serve the gateway with uvicorn on the configured host and port (blocks)."""
+    """Serve the gateway with uvicorn on the configured host and port (blocks); SIGTERM
+    drains it first (`app.shutdown`)."""
     settings = settings or get_settings()
     configure_logging()
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+
+    def drain_spool(timeout_s: float) -> bool:
+        sink: EventSink | None = getattr(app.state, "sink", None)
+        return sink is None or sink.drain(timeout_s)
+
+    config = uvicorn.Config(
+        app,
         host=settings.gateway_host,
         port=settings.gateway_port,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=int(STRAGGLERS_S),
     )
+    DrainingServer(config, app.state.shutdown, drain_spool).run()
 
 
 async def healthz() -> dict[str, str]:
@@ -120,7 +136,8 @@ async def healthz() -> dict[str, str]:
 
 
 async def readyz(request: Request) -> JSONResponse:
-    """Ready when Postgres, Redis, Kafka (or the spool) and one vLLM replica answer."""
+    """Ready when Postgres, Redis, Kafka (or the spool) and one vLLM replica answer, until
+    SIGTERM."""
     state = request.app.state
     sink: EventSink = state.sink
 
@@ -145,13 +162,19 @@ async def readyz(request: Request) -> JSONResponse:
     checks = dict(zip(("database", "redis", "vllm"), results, strict=True))
     # Events are safe while either Kafka takes them or the spool can hold them.
     checks["events"] = sink.kafka_connected or os.access(sink.disk.directory, os.W_OK)
+    checks["running"] = not state.shutdown.started
     ready = all(checks.values())
     body = {
-        "status": "ready" if ready else "unavailable",
+        "status": "ready"
+        if ready
+        else "shutting_down"
+        if state.shutdown.started
+        else "unavailable",
         "checks": checks,
         "failing": [name for name, ok in checks.items() if not ok],
         "kafka_connected": sink.kafka_connected,
         "spooled_events": sink.depth,
+        "spool_retained": sink.retained,
     }
     return JSONResponse(body, status_code=200 if ready else 503)
 

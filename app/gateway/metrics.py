@@ -46,3 +46,14 @@ EVENTS_DROPPED = Counter(
     "rtrl_events_dropped_total", "Events lost because neither memory nor the spool could hold them."
 )
 SPOOL_DEPTH = Gauge("rtrl_spool_depth", "Events waiting for Kafka, by where they wait.", ["where"])
+SPOOL_RETAINED_BYTES = Gauge(
+    "rtrl_spool_retained_bytes",
+    "Bytes of delivered events kept for a replay, should the broker lose them.",
+)
+SPOOL_RETAINED_SEGMENTS = Gauge(
+    "rtrl_spool_retained_segments", "Spool segments of delivered events kept for a replay."
+)
+SPOOL_REPLAYS = Counter(
+    "rtrl_spool_replays_total",
+    "Times a spool's retained events were sent again because the broker had lost their log.",
+)

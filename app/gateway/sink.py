@@ -7,6 +7,11 @@ kafka-python producer (acks=all) in order and in batches, fsyncing each batch fi
 records how far Kafka acknowledged in the spool's cursor; while Kafka is unreachable the
 spool simply grows, and it drains in order once Kafka answers again.
 
+Delivered events stay in the spool for its retention window. The sink records the topic id
+(`app.gateway.topic_ids`) of the log it delivered each topic to, checks it every few seconds,
+and when a topic has a new id (the broker lost that log) sends every retained event again,
+oldest first. Besides its own spool it sends those that stopped gateways left beside it.
+
 Should the disk refuse a write, events wait in a bounded memory queue and are sent from
 there. A crash after Kafka acknowledged a batch but before the cursor moved sends that batch
 again, as does a send that timed out after the broker had in fact appended it; consumers
@@ -22,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +36,17 @@ from kafka.errors import KafkaError
 from pydantic import BaseModel
 
 from app.events import encode
-from app.gateway.metrics import EVENTS_DROPPED, EVENTS_PUBLISHED, SPOOL_DEPTH
-from app.gateway.spool import DiskSpool, Envelope
+from app.gateway.metrics import (
+    EVENTS_DROPPED,
+    EVENTS_PUBLISHED,
+    SPOOL_DEPTH,
+    SPOOL_REPLAYS,
+    SPOOL_RETAINED_BYTES,
+    SPOOL_RETAINED_SEGMENTS,
+)
+from app.gateway.spool import DiskSpool, Envelope, Retention
+from app.gateway.spools import adopt_free_spools, claim_spool
+from app.gateway.topic_ids import TopicIds
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +55,10 @@ BATCH_WINDOW_S = 0.2
 """How long the first queued event waits for others: each Kafka round trip costs
 kafka-python milliseconds of CPU (and the GIL), so events go in batches, not one by one."""
 PROBE_INTERVAL_S = 1.0
+TOPIC_CHECK_INTERVAL_S = 2.0
+"""How often the topic ids are compared with those the retained events were delivered to."""
+LOOK_AFTER_INTERVAL_S = 10.0
+"""How often retention is applied and the spool root searched for spools left behind."""
 CLOSE_DRAIN_S = 5.0
 """How long a stopping gateway keeps sending; what is left is sent at its next start."""
 
@@ -50,15 +69,24 @@ class EventSink:
     def __init__(
         self,
         bootstrap_servers: str,
-        spool_dir: Path,
+        spool: DiskSpool,
         *,
+        spool_root: Path | None = None,
+        adopted: Sequence[DiskSpool] = (),
         memory_events: int = 10_000,
         delivery_timeout_ms: int = 8_000,
         producer_options: dict[str, Any] | None = None,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.memory_events = memory_events
-        self.disk = DiskSpool(spool_dir)
+        # This gateway's own spool, where its events are written; adopted ones go first.
+        self.disk = spool
+        self.spool_root = spool_root
+        self._adopted = list(adopted)
+        self._topic_ids = TopicIds(bootstrap_servers)
+        self._next_topic_check = 0.0
+        self._missing_topics: set[str] = set()
+        self._next_look_after = 0.0
         self._delivery_timeout_s = delivery_timeout_ms / 1000
         self._producer_options = {
             "bootstrap_servers": bootstrap_servers.split(","),
@@ -82,13 +110,41 @@ class EventSink:
         self._producer: KafkaProducer | None = None
         self._broker_down = False
         self._next_probe = 0.0
+        self._close_drain_s = CLOSE_DRAIN_S
         self._thread = threading.Thread(target=self._run, name="rtrl-event-sink", daemon=True)
         SPOOL_DEPTH.labels("memory").set_function(lambda: len(self._queue))
-        SPOOL_DEPTH.labels("disk").set_function(lambda: self.disk.pending)
+        SPOOL_DEPTH.labels("disk").set_function(self._spooled)
+        SPOOL_RETAINED_BYTES.set_function(lambda: self.retained["bytes"])
+        SPOOL_RETAINED_SEGMENTS.set_function(lambda: self.retained["segments"])
+
+    @classmethod
+    def claim(
+        cls, bootstrap_servers: str, spool_root: Path, retention: Retention, **options: Any
+    ) -> EventSink:
+        """A sink on a spool directory of its own under `spool_root`, one a stopped gateway
+        left if there is one; it also sends the other spools left there."""
+        spool = claim_spool(spool_root, retention)
+        return cls(bootstrap_servers, spool, spool_root=spool_root, **options)
 
     def start(self) -> None:
-        """Connect and start draining, what an earlier run spooled first; Kafka may be down."""
+        """Adopt the spools left beside this one, then connect and start draining, what
+        earlier runs spooled first; Kafka may be down."""
+        self.adopt_free_spools()
         self._thread.start()
+
+    def adopt_free_spools(self) -> None:
+        """Take over the spools under the root that no running gateway holds."""
+        if self.spool_root is None:
+            return
+        held = [spool.directory for spool in self._spools()]
+        for spool in adopt_free_spools(self.spool_root, self.disk.retention, held):
+            log.info("adopted the spool %s (%d events to send)", spool.directory, spool.pending)
+            self._adopted.append(spool)
+
+    def rewind(self, since: datetime | None = None) -> int:
+        """Mark every spool's retained events (since `since`) for sending again; before `start`."""
+        assert not self._thread.is_alive(), "rewind belongs to the thread that sends"
+        return sum(spool.rewind(since) for spool in self._spools())
 
     @property
     def kafka_connected(self) -> bool:
@@ -98,7 +154,19 @@ class EventSink:
     @property
     def depth(self) -> dict[str, int]:
         """Events not yet acknowledged by Kafka: on disk, and in memory if the disk refused."""
-        return {"memory": len(self._queue), "disk": self.disk.pending}
+        return {"memory": len(self._queue), "disk": self._spooled()}
+
+    @property
+    def retained(self) -> dict[str, Any]:
+        """Delivered events kept for a replay: their bytes, segments, and since when."""
+        spools = self._spools()
+        since = min((t for s in spools if (t := s.retained_since) is not None), default=None)
+        return {
+            "bytes": sum(spool.retained_bytes for spool in spools),
+            "segments": sum(spool.retained_segments for spool in spools),
+            "since": datetime.fromtimestamp(since, UTC).isoformat() if since else None,
+            "spools": len(spools),
+        }
 
     def publish(self, topic: str, key: str, event: BaseModel) -> None:
         """Spool an event for Kafka; never blocks on the broker."""
@@ -127,11 +195,23 @@ class EventSink:
             self._queue.append(envelope)
             self._wakeup.notify()
 
-    def close(self, timeout_s: float = 20.0) -> None:
-        """Deliver what Kafka takes within a few seconds, then stop; the spool keeps the rest."""
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until Kafka has every spooled event, at most `timeout_s`; True if it has."""
+        deadline = time.monotonic() + timeout_s
         with self._wakeup:
+            self._wakeup.notify()
+        while self._waiting() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._waiting()
+
+    def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
+        """Deliver what Kafka takes within `drain_s`, then stop; the spool keeps the rest."""
+        with self._wakeup:
+            self._close_drain_s = drain_s
             self._closing = True
             self._wakeup.notify()
+        # A send in flight when the time is up may wait out its delivery timeout.
+        timeout_s = drain_s + self._delivery_timeout_s + 10
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -143,7 +223,8 @@ class EventSink:
             if self._queue:
                 log.error("event spool unwritable; %d events lost at shutdown", len(self._queue))
                 EVENTS_DROPPED.inc(len(self._queue))
-        self.disk.close()
+        for spool in self._spools():
+            spool.close()
 
     # -- the drain thread -----------------------------------------------------------------
 
@@ -174,8 +255,15 @@ class EventSink:
                 log.exception("event sink round failed")
                 self._mark_down()
 
+    def _spools(self) -> list[DiskSpool]:
+        """Adopted spools first: their events are older than this gateway's."""
+        return [*self._adopted, self.disk]
+
+    def _spooled(self) -> int:
+        return sum(spool.pending for spool in self._spools())
+
     def _waiting(self) -> int:
-        return self.disk.pending + len(self._queue)
+        return self._spooled() + len(self._queue)
 
     def _idle(self) -> bool:
         return self._waiting() == 0 or (self._broker_down and time.monotonic() < self._next_probe)
@@ -186,19 +274,91 @@ class EventSink:
         return 1.0
 
     def _drain(self) -> None:
-        """One round: spool what waits in memory, then send a batch if Kafka answers."""
+        """One round: spool what waits in memory, look after the spools, then send a batch
+        if Kafka answers."""
         with self._wakeup:
             self._move_queue_to_disk()
         try:
             self.disk.sync()
         except OSError:
             log.exception("event spool could not be synced")
+        if time.monotonic() >= self._next_look_after:
+            self._look_after_spools()
         if self._broker_down and not self._probe():
             return
-        if self.disk.pending:
+        if time.monotonic() >= self._next_topic_check and not self._check_topic_ids():
+            self._mark_down()
+            return
+        if self._spooled():
             self._replay()
         elif self._queue:
             self._deliver_from_memory()
+
+    def _look_after_spools(self) -> None:
+        """Apply retention, release adopted spools with nothing left, adopt new ones."""
+        self._next_look_after = time.monotonic() + LOOK_AFTER_INTERVAL_S
+        for spool in self._spools():
+            spool.prune()
+        for spool in [s for s in self._adopted if s.empty]:
+            log.info("sent and released the adopted spool %s", spool.directory)
+            self._adopted.remove(spool)
+            spool.remove()
+        self.adopt_free_spools()
+
+    def _check_topic_ids(self) -> bool:
+        """Send a spool's retained events again when a topic it delivered to has a new id: the
+        broker lost that log. False when the broker did not answer."""
+        self._next_topic_check = time.monotonic() + TOPIC_CHECK_INTERVAL_S
+        spools = self._spools()
+        topics = {topic for spool in spools for topic in spool.topic_ids}
+        if not topics:
+            return True
+        current = self._topic_ids.read(topics)
+        if current is None:
+            return False
+        self._missing_topics = {topic for topic in topics if current.get(topic) is None}
+        for spool in spools:
+            lost = {
+                topic: new
+                for topic, old in spool.topic_ids.items()
+                if (new := current.get(topic)) is not None and new != old
+            }
+            if not lost:
+                continue
+            again = spool.rewind()
+            # Only once the rewind is durable: a crash in between replays twice, never not.
+            spool.save_topic_ids(lost)
+            SPOOL_REPLAYS.inc()
+            log.warning(
+                "Kafka has new logs for %s (the broker lost the old ones); sending the %d "
+                "retained events of %s again",
+                ", ".join(sorted(lost)),
+                again,
+                spool.directory,
+            )
+            # The producer's idempotence state belonged to the lost logs.
+            self._close_producer(timeout_s=0.0)
+            self._connect()
+        return True
+
+    def _know_topics(self, spool: DiskSpool, topics: set[str]) -> bool:
+        """Record the log of each topic this spool has not delivered to yet, before it does;
+        False when a topic does not exist or the broker did not answer."""
+        unknown = topics - spool.topic_ids.keys()
+        ids: dict[str, str] = {}
+        if unknown:
+            current = self._topic_ids.read(unknown)
+            if current is None:
+                return False
+            ids = {topic: new for topic in unknown if (new := current.get(topic)) is not None}
+        if missing := sorted((unknown - ids.keys()) | (topics & self._missing_topics)):
+            # Whoever starts the broker creates the topics; a send would have the broker
+            # create it itself, with its default partitions.
+            log.warning("topic %s does not exist; events wait in the spool", ", ".join(missing))
+            return False
+        if ids:
+            spool.save_topic_ids(ids)
+        return True
 
     def _move_queue_to_disk(self) -> None:
         """Behind what the disk holds, in order; the caller holds self._wakeup."""
@@ -211,11 +371,15 @@ class EventSink:
             log.info("event spool writable again")
 
     def _replay(self) -> None:
-        spooled = self.disk.read(BATCH_EVENTS)
+        spool = next(spool for spool in self._spools() if spool.pending)
+        spooled = spool.read(BATCH_EVENTS)
         if not spooled:
             return
+        if not self._know_topics(spool, {item.envelope.topic for item in spooled}):
+            self._mark_down()
+            return
         outcome = self._send([item.envelope for item in spooled])
-        self.disk.acknowledge(spooled, outcome)
+        spool.acknowledge(spooled, outcome)
         if not all(outcome):
             self._mark_down()
 
@@ -231,8 +395,8 @@ class EventSink:
                 self._queue.extendleft(reversed(failed))
 
     def _finish(self) -> None:
-        """At shutdown: send what Kafka takes within a few seconds; the rest stays spooled."""
-        deadline = time.monotonic() + CLOSE_DRAIN_S
+        """At shutdown: send what Kafka takes in the time given; the rest stays spooled."""
+        deadline = time.monotonic() + self._close_drain_s
         while self._waiting() and not self._broker_down and time.monotonic() < deadline:
             self._drain()
         self.disk.sync()
@@ -280,6 +444,7 @@ class EventSink:
         if self._broker_down:
             log.info("Kafka is back at %s; replaying the spool", self.bootstrap_servers)
         self._broker_down = False
+        self._next_topic_check = 0.0  # before anything is sent: the broker may be a new one
         return self._producer
 
     def _probe(self) -> bool:
@@ -299,6 +464,7 @@ class EventSink:
         # A fresh producer after an outage: a restarted broker may not know the old
         # producer id, and every future of this one has completed.
         self._close_producer(timeout_s=0.0)
+        self._topic_ids.close()
 
     def _close_producer(self, timeout_s: float) -> None:
         producer, self._producer = self._producer, None

@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import session_scope
+from app.embedded.kafka import EmbeddedKafka
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.main import create_app
@@ -184,3 +185,33 @@ class KafkaTopics:
 @pytest.fixture
 def kafka(stack: EmbeddedStack) -> KafkaTopics:
     return KafkaTopics(stack.kafka.url)
+
+
+@pytest.fixture
+def own_kafka(tmp_path: Path) -> Iterator[EmbeddedKafka]:
+    """A broker of this test's own, to restart without disturbing the session's."""
+    kafka = EmbeddedKafka(tmp_path / "kafka", free_port(), topics={"test.replay": 1})
+    kafka.start()
+    try:
+        yield kafka
+    finally:
+        kafka.stop()
+
+
+def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30) -> list[bytes]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        partition = TopicPartition(topic, 0)
+        consumer.assign([partition])
+        consumer.seek_to_beginning(partition)
+        values: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        while len(values) < expected and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=200).values():
+                values += [record.value for record in records]
+        time.sleep(0.5)
+        for records in consumer.poll(timeout_ms=500).values():
+            values += [record.value for record in records]
+        return values
+    finally:
+        consumer.close()

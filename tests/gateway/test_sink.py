@@ -1,4 +1,5 @@
-"""The event sink: every event written ahead to the disk spool, then to Kafka, exactly once."""
+"""The event sink: every event written ahead to the disk spool, then to Kafka, exactly once;
+sent again when the broker lost it; spools left by stopped gateways sent and removed."""
 
 from __future__ import annotations
 
@@ -6,42 +7,25 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 
-from app.embedded.kafka import ensure_topics
+from app.embedded.kafka import EmbeddedKafka, ensure_topics
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.sink import EventSink
-from app.gateway.spool import DiskSpool, Envelope
+from app.gateway.spool import DiskSpool, Envelope, Retention
+from app.gateway.spools import claim_spool, spool_directories
+from tests.gateway.conftest import read_topic
 
 
 def envelopes(count: int, start: int = 0, topic: str = "t") -> list[Envelope]:
     return [Envelope(topic, f"s{n % 3}", b'{"n": %d}' % n) for n in range(start, start + count)]
-
-
-def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30) -> list[bytes]:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    try:
-        partition = TopicPartition(topic, 0)
-        consumer.assign([partition])
-        consumer.seek_to_beginning(partition)
-        values: list[bytes] = []
-        deadline = time.monotonic() + timeout
-        while len(values) < expected and time.monotonic() < deadline:
-            for records in consumer.poll(timeout_ms=200).values():
-                values += [record.value for record in records]
-        time.sleep(0.5)
-        for records in consumer.poll(timeout_ms=500).values():
-            values += [record.value for record in records]
-        return values
-    finally:
-        consumer.close()
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -57,7 +41,7 @@ def test_a_restarted_gateway_replays_its_spool_exactly_once_with_nothing_in_memo
     topic = f"test.spool.{uuid.uuid4().hex[:8]}"
     ensure_topics(stack.kafka.url, {topic: 1})
     dead_kafka = f"127.0.0.1:{free_port()}"
-    offline = EventSink(dead_kafka, tmp_path, memory_events=100)
+    offline = EventSink(dead_kafka, DiskSpool(tmp_path), memory_events=100)
     offline.start()
     for n, envelope in enumerate(envelopes(1_000, topic=topic), start=1):
         offline.publish_encoded(envelope)
@@ -66,7 +50,7 @@ def test_a_restarted_gateway_replays_its_spool_exactly_once_with_nothing_in_memo
     offline.close()
     assert DiskSpool(tmp_path).pending == 1_000  # and the lock was released
 
-    online = EventSink(stack.kafka.url, tmp_path)
+    online = EventSink(stack.kafka.url, DiskSpool(tmp_path))
     online.start()
     wait_until(lambda: online.depth == {"memory": 0, "disk": 0}, 30, "the spool to replay")
     for envelope in envelopes(5, start=1_000, topic=topic):
@@ -83,7 +67,7 @@ def test_a_disk_that_refuses_writes_holds_events_in_memory_in_order(
 ) -> None:
     topic = f"test.spool.{uuid.uuid4().hex[:8]}"
     ensure_topics(stack.kafka.url, {topic: 1})
-    sink = EventSink(stack.kafka.url, tmp_path, memory_events=100)
+    sink = EventSink(stack.kafka.url, DiskSpool(tmp_path), memory_events=100)
     first, held, later = (
         envelopes(10, topic=topic),
         envelopes(150, 10, topic),
@@ -159,3 +143,51 @@ def test_events_produced_while_kafka_is_down_arrive_exactly_once(
     assert not kafka.duplicates(events)
     served = {event["request_id"] for event in events}
     assert after_stop <= served, f"{len(after_stop - served)} events lost"
+
+
+def test_a_broker_that_lost_its_log_gets_the_retained_events_again(
+    own_kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    spool = DiskSpool(tmp_path / "spool", Retention(timedelta(hours=1), 1 << 30))
+    sink = EventSink(own_kafka.url, spool)
+    sink.start()
+    try:
+        for envelope in envelopes(100, topic="test.replay"):
+            sink.publish_encoded(envelope)
+        wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 30, "the first delivery")
+        assert sink.retained["bytes"] > 0
+
+        own_kafka.stop()
+        own_kafka.start()  # memory storage: the topic is re-created, empty, under a new id
+        assert read_topic(own_kafka.url, "test.replay", expected=100) == [
+            e.value for e in envelopes(100, topic="test.replay")
+        ]
+        for envelope in envelopes(5, start=100, topic="test.replay"):
+            sink.publish_encoded(envelope)
+        wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 30, "the new events")
+    finally:
+        sink.close()
+    values = read_topic(own_kafka.url, "test.replay", expected=105)
+    assert values == [e.value for e in envelopes(105, topic="test.replay")]
+
+
+def test_a_gateway_sends_the_spools_stopped_gateways_left_and_then_removes_them(
+    own_kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    root = tmp_path / "spools"
+    left = [claim_spool(root, Retention()) for _ in range(2)]
+    for n, spool in enumerate(left):
+        spool.append(envelopes(10, start=10 * n, topic="test.replay"))
+    for spool in left:
+        spool.close()
+
+    sink = EventSink.claim(own_kafka.url, root, Retention())
+    sink.start()
+    try:
+        wait_until(lambda: sink.depth == {"memory": 0, "disk": 0}, 30, "the left spools")
+        # The first was claimed as this gateway's own; the second is released once sent.
+        wait_until(lambda: spool_directories(root) == [sink.disk.directory], 30, "release")
+    finally:
+        sink.close()
+    values = read_topic(own_kafka.url, "test.replay", expected=20)
+    assert sorted(values) == sorted(e.value for e in envelopes(20, topic="test.replay"))

@@ -196,23 +196,23 @@ def run_pipeline(
     settings: Settings, config: WorkerConfig, phases: list[list[Event]], clocks: Clocks
 ) -> None:
     """One worker consuming each phase of the stream once it is produced; the clocks run
-    from the first batch of a phase to its last."""
+    from the first poll of a phase to its last stored batch, as the raw side's do."""
     tune_gc()  # as run_worker does
     engine = make_worker_engine(settings.database_url)
     consumer = make_consumer(settings, config)
     dlq = make_producer(settings)
     consumer.subscribe([config.completions_topic, config.feedback_topic])
+    while not consumer.assignment():  # join the group while the topics are still empty
+        consumer.poll(timeout_ms=200)
     stop = threading.Event()
     with engine.connect():  # connect before the clocks start
         pass
     for phase in phases:
         produce(settings.kafka_bootstrap_servers, config, phase)
         consumed = 0
+        clocks.start()
         while consumed < len(phase):
-            polled = consume_batch(consumer, dlq, engine, config, stop)
-            if polled and not consumed:
-                clocks.start()
-            consumed += polled
+            consumed += consume_batch(consumer, dlq, engine, config, stop)
         clocks.stop()
     consumer.close(autocommit=False)
     dlq.close()

@@ -331,10 +331,11 @@ def load_open_samples(
     return list(conn.execute(query, params).all())
 
 
-def load_final_samples(conn: Connection, request_ids: Collection[str]) -> list[Row[Any]]:
-    """Samples of these requests whose reward is already final, with that reward."""
-    if not request_ids:
-        return []
+def load_touched_samples(
+    conn: Connection, *, request_ids: Collection[str], ended_sessions: Collection[str]
+) -> list[Row[Any]]:
+    """The samples of these requests (their reward open or final), and the open ones of these
+    ended sessions, each with its reward's state (`finalized_at` None while open)."""
     query = (
         select(
             *SAMPLE_METRIC_COLUMNS,
@@ -342,11 +343,20 @@ def load_final_samples(conn: Connection, request_ids: Collection[str]) -> list[R
             rewards.c.finalized_at,
             rewards.c.finalize_reason,
         )
-        .select_from(samples.join(rewards, rewards.c.sample_id == samples.c.id))
-        .where(samples.c.request_id == _any("rids", String), rewards.c.finalized_at.is_not(None))
+        .select_from(samples.outerjoin(rewards, rewards.c.sample_id == samples.c.id))
+        .where(
+            or_(
+                samples.c.request_id == _any("rids", String),
+                and_(
+                    samples.c.session_id == _any("sids", String),
+                    rewards.c.finalized_at.is_(None),
+                ),
+            )
+        )
         .order_by(samples.c.id)
     )
-    found: list[Row[Any]] = [*conn.execute(query, {"rids": text_array(request_ids)})]
+    params = {"rids": text_array(request_ids), "sids": text_array(ended_sessions)}
+    found: list[Row[Any]] = [*conn.execute(query, params)]
     return found
 
 

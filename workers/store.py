@@ -8,7 +8,7 @@ evidence is stored and counted in `late_evidence_count`, and the reward stands.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -27,6 +27,7 @@ from app.signals.rewards import (
     Feedback,
     compute_reward,
     distil_components,
+    evidence_for,
     finalize_reason,
     reward_due_at,
 )
@@ -36,8 +37,7 @@ from workers.repository import (
     insert_feedback,
     insert_samples,
     load_feedback_signals,
-    load_final_samples,
-    load_open_samples,
+    load_touched_samples,
     reopen_rewards,
     scrub_private_followups,
     upsert_rewards,
@@ -146,15 +146,21 @@ def store_events(
     )
     # A session's end can only finalize: it never changes a final reward's components.
     evidence = {row.request_id for row in new_feedback if row.kind != "session_end"}
-    affected = load_open_samples(
+    touched = load_touched_samples(
         conn,
         request_ids=new_requests | evidence,
         ended_sessions={row.session_id for row in new_feedback if row.kind == "session_end"},
     )
-    refreshed = refresh_rewards(conn, affected, config, now=now)
-    return refreshed + reconsider_final_rewards(
-        conn, load_final_samples(conn, evidence), config, now=now
+    if not touched:
+        return 0
+    feedback = feedback_by_sample(conn, touched)
+    still_open = [sample for sample in touched if sample.finalized_at is None]
+    upsert_rewards(
+        conn,
+        [reward_row(sample, feedback[sample.id], config, now=now) for sample in still_open],
     )
+    final = [s for s in touched if s.finalized_at is not None and s.request_id in evidence]
+    return len(still_open) + reconsider_final_rewards(conn, final, feedback, config, now=now)
 
 
 def refresh_rewards(
@@ -182,12 +188,16 @@ def refresh_rewards(
 
 
 def reconsider_final_rewards(
-    conn: Connection, final_samples: Sequence[Row[Any]], config: WorkerConfig, *, now: datetime
+    conn: Connection,
+    final_samples: Sequence[Row[Any]],
+    feedback: Mapping[int, Sequence[Feedback]],
+    config: WorkerConfig,
+    *,
+    now: datetime,
 ) -> int:
     """Apply new evidence to final rewards within the reopen window; count what came later."""
     if not final_samples:
         return 0
-    feedback = feedback_by_sample(conn, final_samples)
     reopened, late = [], []
     for sample in final_samples:
         if now - sample.finalized_at > config.reopen_window:
@@ -214,6 +224,7 @@ def reward_row(
 ) -> dict[str, Any]:
     """The reward record of a sample given all its feedback, final or still open at `now`."""
     completion = _completion_of(sample)
+    events = evidence_for(completion, events)
     components = distil_components(
         completion,
         events,

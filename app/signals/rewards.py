@@ -115,12 +115,21 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
 LATEST_REWARD_VERSION = max(REWARD_VERSIONS)
 
 
-def _feedback_for(completion: CompletionEvent, feedback: Iterable[Feedback]) -> list[Feedback]:
+class Evidence(list[Feedback]):
+    """One completion's feedback, deduplicated and in canonical order (see `evidence_for`)."""
+
+    request_id: str = ""
+
+
+def evidence_for(completion: CompletionEvent, feedback: Iterable[Feedback]) -> Evidence:
     """This completion's feedback, once per event_id, in a canonical order.
 
     A session ends once for all its requests, so `session_end` matches on the session;
-    every other signal matches on the request.
+    every other signal matches on the request. Evidence already gathered for the completion
+    is returned as it is, so the functions below can share one gathering.
     """
+    if isinstance(feedback, Evidence) and feedback.request_id == completion.request_id:
+        return feedback
     unique: dict[UUID, Feedback] = {}
     for event in feedback:
         if isinstance(event, SessionEnd):
@@ -129,7 +138,11 @@ def _feedback_for(completion: CompletionEvent, feedback: Iterable[Feedback]) -> 
         elif event.request_id != completion.request_id:
             continue
         unique.setdefault(event.event_id, event)
-    return sorted(unique.values(), key=lambda event: (event.occurred_at, str(event.event_id)))
+    evidence = Evidence(
+        sorted(unique.values(), key=lambda event: (event.occurred_at, str(event.event_id)))
+    )
+    evidence.request_id = completion.request_id
+    return evidence
 
 
 def acceptance(events: Sequence[Feedback]) -> bool | None:
@@ -161,7 +174,7 @@ def distil_components(
     tpot_budget_ms: float = float("inf"),
 ) -> RewardComponents:
     """The reward components of a completion, whatever the order or duplication of its feedback."""
-    events = _feedback_for(completion, feedback)
+    events = evidence_for(completion, feedback)
     accepted = acceptance(events)
 
     kept: float | None = None
@@ -219,7 +232,7 @@ def reward_due_at(
     grace_s: float,
 ) -> datetime:
     """Horizon + grace after the first acceptance, or after the completion if never accepted."""
-    events = _feedback_for(completion, feedback)
+    events = evidence_for(completion, feedback)
     acceptances = [e.occurred_at for e in events if isinstance(e, EditAccepted)]
     start = min(acceptances, default=completion.occurred_at)
     return start + timedelta(seconds=horizon_s + grace_s)
@@ -238,7 +251,7 @@ def finalize_reason(
     A session's end finalizes only what can receive no more evidence: an accepted edit still
     waits for its horizon report (or horizon + grace), however early the session ended.
     """
-    events = _feedback_for(completion, feedback)
+    events = evidence_for(completion, feedback)
     if any(
         isinstance(e, EditSurvival) and e.elapsed_s >= horizon_s - HORIZON_TOLERANCE_S
         for e in events

@@ -4,6 +4,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from kafka import TopicPartition
 from sqlalchemy import Connection, select
 
 from app.signals.rewards import REWARD_VERSIONS, RewardWeights
@@ -11,6 +12,7 @@ from workers.config import WorkerConfig
 from workers.repository import rewards, samples
 from workers.store import feedback_row, sample_row, store_events
 from workers.sweep import finalize_due_rewards, recompute_rewards
+from workers.watermarks import StreamWatermarks
 
 CONFIG = WorkerConfig()
 
@@ -102,3 +104,55 @@ def test_recompute_replays_another_formula_over_final_rewards(
 def test_recompute_refuses_an_unknown_version(conn: Connection) -> None:
     with pytest.raises(ValueError, match="unknown reward version 99"):
         recompute_rewards(conn, 99)
+
+
+def test_a_worker_sweeps_only_its_partitions_each_up_to_its_own_watermark(
+    conn: Connection, events: Any
+) -> None:
+    rows = []
+    for n, partition in ((1, 0), (2, 1), (3, 2)):
+        row = sample_row(events.completion(n))
+        rows.append(row | {"kafka_partition": partition})
+    store_events(conn, rows, [], CONFIG, now=events.served_at)
+    due = events.served_at + CONFIG.survival_horizon + CONFIG.finalization_grace
+
+    # Partition 0 has been read past the due time; partition 1 only up to before it (a
+    # backlog); partition 2 belongs to another worker.
+    watermarks = {0: due + timedelta(seconds=1), 1: due - timedelta(minutes=5)}
+    finalize_due_rewards(conn, CONFIG, now=due + timedelta(hours=1), watermarks=watermarks)
+
+    found = rewards_of(conn, events.prefix)
+    assert found[events.request(1)].finalize_reason == "timeout"
+    assert found[events.request(2)].finalized_at is None
+    assert found[events.request(3)].finalized_at is None
+
+
+def test_a_partitions_watermark_is_now_when_read_to_the_end_else_its_last_message() -> None:
+    class Record:
+        def __init__(self, at: datetime) -> None:
+            self.timestamp = int(at.timestamp() * 1000)
+
+    class Consumer:
+        """Offsets as a KafkaConsumer reports them: partition 0 read to the end, 1 behind."""
+
+        def __init__(self) -> None:
+            self.ends = {0: 10, 1: 50}
+
+        def assignment(self) -> set[TopicPartition]:
+            return {TopicPartition(t, p) for t in ("c", "f") for p in (0, 1)}
+
+        def highwater(self, partition: TopicPartition) -> int:
+            return self.ends[partition.partition]
+
+        def position(self, partition: TopicPartition) -> int:
+            return 10
+
+    now = datetime(2026, 11, 30, 12, tzinfo=UTC)
+    marks = StreamWatermarks()
+    marks.observe({TopicPartition("c", 1): [Record(now - timedelta(minutes=3))]})
+    marks.observe({TopicPartition("f", 1): [Record(now - timedelta(minutes=7))]})
+    assert marks.by_partition(Consumer(), ("c", "f"), now) == {
+        0: now,
+        1: now - timedelta(minutes=7),
+    }
+    assert marks.by_partition(Consumer(), ("c", "f", "other"), now) == {}

@@ -12,6 +12,9 @@ class TrainConfig:
     """Seeds torch and the minibatch order."""
     min_samples: int = 64
     """Fewer finalized, trainable production samples than this: skip the cycle."""
+    min_new_samples: int = 64
+    """Fewer of them served after the window of the last run that trained from the same
+    production checkpoint: skip the cycle, it would publish a near-duplicate of that run."""
     max_samples: int = 4096
     """Train on at most this many of the most recent samples."""
     epochs: int = 2

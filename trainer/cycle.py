@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +19,14 @@ from transformers import PreTrainedTokenizerFast
 
 from app.config import Settings
 from app.db import session_scope
-from app.models import Checkpoint, CheckpointStatus, TrainingRun, TrainingRunStatus
+from app.models import (
+    Checkpoint,
+    CheckpointStatus,
+    CycleTrigger,
+    TrainingRun,
+    TrainingRunStatus,
+)
+from app.registry.audit import Actor
 from app.registry.experiments import start_canary
 from app.serving.checkpoints import publish_checkpoint, reconcile
 from app.serving.parity import batch_logprobs, completion_batch, completion_logprobs, logprob_drift
@@ -29,6 +38,9 @@ from trainer.loss import LossStats, advantages, policy_gradient_loss
 from trainer.policy import load_trainable_policy, pick_device
 
 log = logging.getLogger("rtrl.trainer")
+TRAINER_ACTOR = Actor("trainer")
+TRAINED = (TrainingRunStatus.published, TrainingRunStatus.rejected)
+"""Runs that trained on their batch; skipped, refused and failed runs used none of it."""
 
 
 @dataclass(frozen=True)
@@ -47,41 +59,66 @@ def run_cycle(
     held_out: HeldOut,
     progress: Callable[[str], None] = log.info,
     on_published: Callable[[], None] | None = None,
+    trigger: CycleTrigger = CycleTrigger.manual,
 ) -> CycleResult:
     """Run one cycle under the trainer lock and record it as a training run; `held_out` is
     what the evaluation gate scores the candidate on."""
     with trainer_lock(engine):
-        if abandon_crashed_runs(engine):
-            # A run that died while publishing may have left its adapter on a replica.
-            report = reconcile(engine, settings.vllm_urls)
-            for replica, names in report.unloaded.items():
-                progress(f"unloaded unregistered {', '.join(names)} from {replica}")
-            for error in report.errors:
-                progress(f"reconcile: {error}")
-        run_id, production, batch = open_run(engine, config)
-        progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
-        threads = torch.get_num_threads()
-        try:
-            if config.threads:
-                torch.set_num_threads(config.threads)
-            return train_and_publish(
-                settings,
-                config,
-                engine,
-                run_id,
-                production,
-                batch,
-                held_out,
-                progress,
-                on_published,
-            )
-        except Exception as exc:
-            finish_run(
-                engine, run_id, TrainingRunStatus.failed, reason=f"{type(exc).__name__}: {exc}"
-            )
-            raise
-        finally:
-            torch.set_num_threads(threads)
+        return run_locked_cycle(
+            settings,
+            config,
+            engine=engine,
+            held_out=held_out,
+            progress=progress,
+            on_published=on_published,
+            trigger=trigger,
+        )
+
+
+def run_locked_cycle(
+    settings: Settings,
+    config: TrainConfig,
+    *,
+    engine: Engine,
+    held_out: HeldOut,
+    progress: Callable[[str], None] = log.info,
+    on_published: Callable[[], None] | None = None,
+    trigger: CycleTrigger = CycleTrigger.manual,
+) -> CycleResult:
+    """`run_cycle` for a caller that holds the trainer lock already."""
+    if abandon_crashed_runs(engine):
+        # A run that died while publishing may have left its adapter on a replica.
+        report = reconcile(engine, settings.vllm_urls)
+        for replica, names in report.unloaded.items():
+            progress(f"unloaded unregistered {', '.join(names)} from {replica}")
+        for error in report.errors:
+            progress(f"reconcile: {error}")
+    run_id, production, batch, previous = open_run(engine, config, trigger)
+    progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
+    skip = skip_reason(batch, previous, config)
+    if skip is not None:
+        progress(f"run {run_id}: skipped: {skip}")
+        return finish_run(engine, run_id, TrainingRunStatus.skipped, reason=skip)
+    threads = torch.get_num_threads()
+    try:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        return train_and_publish(
+            settings,
+            config,
+            engine,
+            run_id,
+            production,
+            batch,
+            held_out,
+            progress,
+            on_published,
+        )
+    except Exception as exc:
+        finish_run(engine, run_id, TrainingRunStatus.failed, reason=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        torch.set_num_threads(threads)
 
 
 def abandon_crashed_runs(engine: Engine) -> int:
@@ -99,7 +136,16 @@ def abandon_crashed_runs(engine: Engine) -> int:
     return int(getattr(result, "rowcount", 0) or 0)
 
 
-def open_run(engine: Engine, config: TrainConfig) -> tuple[int, Checkpoint, OnPolicyBatch]:
+def this_trainer() -> str:
+    """This trainer process, as runs record it."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def open_run(
+    engine: Engine, config: TrainConfig, trigger: CycleTrigger
+) -> tuple[int, Checkpoint, OnPolicyBatch, TrainingRun | None]:
+    """Record a running run on the production checkpoint's batch; also returns the last run
+    that trained from that checkpoint, if any."""
     with session_scope(engine) as session:
         production = session.scalar(
             select(Checkpoint).where(Checkpoint.status == CheckpointStatus.production)
@@ -109,6 +155,15 @@ def open_run(engine: Engine, config: TrainConfig) -> tuple[int, Checkpoint, OnPo
                 "no production checkpoint; run `rtrl serve` once to register the base"
             )
         batch = select_on_policy_batch(session, production, max_samples=config.max_samples)
+        previous = session.scalar(
+            select(TrainingRun)
+            .where(
+                TrainingRun.base_checkpoint_id == production.id,
+                TrainingRun.status.in_(TRAINED),
+            )
+            .order_by(TrainingRun.id.desc())
+            .limit(1)
+        )
         run = TrainingRun(
             status=TrainingRunStatus.running,
             config=config.as_dict(),
@@ -117,11 +172,33 @@ def open_run(engine: Engine, config: TrainConfig) -> tuple[int, Checkpoint, OnPo
             window_start=batch.window_start,
             window_end=batch.window_end,
             run_name=f"{production.name}-{datetime.now(UTC):%Y%m%dT%H%M%S}",
+            trigger=trigger,
+            trainer=this_trainer(),
         )
         session.add(run)
         session.flush()
         session.expunge(production)
-        return run.id, production, batch
+        return run.id, production, batch, previous
+
+
+def skip_reason(
+    batch: OnPolicyBatch, previous: TrainingRun | None, config: TrainConfig
+) -> str | None:
+    """Why the cycle should not train: too few samples, or too few that the last run from the
+    same production checkpoint has not trained on already."""
+    count = len(batch.samples)
+    if count < config.min_samples:
+        return f"{count} finalized on-policy samples, fewer than {config.min_samples}"
+    if previous is None or previous.window_end is None:
+        return None
+    new = batch.served_after(previous.window_end)
+    if new >= config.min_new_samples:
+        return None
+    return (
+        f"no new on-policy evidence: {new} finalized samples of {batch.checkpoint} served after "
+        f"the window of run {previous.id} (to {previous.window_end.isoformat(timespec='seconds')})"
+        f", fewer than {config.min_new_samples}"
+    )
 
 
 def finish_run(
@@ -160,11 +237,6 @@ def train_and_publish(
     on_published: Callable[[], None] | None,
 ) -> CycleResult:
     samples = batch.samples
-    if len(samples) < config.min_samples:
-        reason = f"{len(samples)} finalized on-policy samples, fewer than {config.min_samples}"
-        progress(f"run {run_id}: skipped: {reason}")
-        return finish_run(engine, run_id, TrainingRunStatus.skipped, reason=reason)
-
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     device = pick_device(config)
@@ -247,14 +319,23 @@ def train_and_publish(
             treatment=treatment,
             treatment_bps=config.canary_bps,
             created_by=f"trainer run {run_id}",
+            actor=TRAINER_ACTOR,
+        )
+        superseded = ", ".join(
+            session.scalars(
+                select(Checkpoint.name).where(Checkpoint.superseded_by_id == treatment.id)
+            )
         )
     if on_published is not None:
         on_published()
     progress(f"run {run_id}: published {checkpoint.name} as a {config.canary_bps / 100:g}% canary")
+    if superseded:
+        progress(f"run {run_id}: the canary {superseded} is superseded by {checkpoint.name}")
     return finish_run(
         engine,
         run_id,
         TrainingRunStatus.published,
+        reason=f"superseded the canary {superseded}" if superseded else None,
         stats=stats,
         eval_results=result.as_dict(),
         output_checkpoint_id=checkpoint.id,

@@ -18,6 +18,7 @@ class TrainingSample:
     completion_token_ids: list[int]
     behaviour_logprobs: list[float]
     reward: float
+    served_at: datetime
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class OnPolicyBatch:
     samples: list[TrainingSample]
     window_start: datetime | None
     window_end: datetime | None
+
+    def served_after(self, moment: datetime) -> int:
+        """How many of the samples were served after `moment`."""
+        return sum(sample.served_at > moment for sample in self.samples)
 
 
 def select_on_policy_batch(
@@ -68,6 +73,7 @@ def select_on_policy_batch(
             completion_token_ids=list(row.completion_token_ids),
             behaviour_logprobs=list(row.behaviour_logprobs),
             reward=float(row.reward),
+            served_at=row.served_at,
         )
         for row in rows
         if len(row.completion_token_ids) == len(row.behaviour_logprobs)

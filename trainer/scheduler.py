@@ -1,26 +1,28 @@
-"""`rtrl trainer`: a cycle every interval, one at a time, pausable by ops."""
+"""`rtrl trainer`: one cycle per interval whatever the number of trainers, pausable by ops.
+
+The schedule lives in Postgres (`app.registry.schedule`): a trainer claims a cycle and runs
+it under the trainer lock, so a trainer that wakes after another ran the cycle finds the due
+time advanced and sleeps until then.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from sqlalchemy import Engine
 
 from app.config import Settings
 from app.db import session_scope
 from app.heartbeat import Heartbeat
-from app.registry.audit import Actor
-from app.registry.flags import CYCLE_REQUESTED, TRAINING_PAUSED, flag, set_flag
 from app.registry.routing import notify_routing_changed_sync
+from app.registry.schedule import claim_cycle
 from trainer.config import TrainConfig
-from trainer.cycle import run_cycle
+from trainer.cycle import TRAINER_ACTOR, run_locked_cycle
 from trainer.evaluate import HeldOut
-from trainer.lock import CycleBusy
+from trainer.lock import CycleBusy, trainer_lock
 
 log = logging.getLogger("rtrl.trainer")
-TRAINER_ACTOR = Actor("trainer")
 
 
 def run_scheduler(
@@ -32,10 +34,8 @@ def run_scheduler(
     stop: threading.Event,
     poll_seconds: float = 5.0,
 ) -> None:
-    """Run a cycle every `settings.train_interval` (or when ops request one) until `stop`."""
-    interval = settings.train_interval.total_seconds()
-    next_cycle = time.monotonic() + interval
-    paused_logged = False
+    """Take and run the cycles that are due (or that ops request) until `stop`."""
+    interval = settings.train_interval
     heartbeat = Heartbeat(settings.heartbeat_file)
     heartbeat.beat()
 
@@ -43,37 +43,40 @@ def run_scheduler(
         heartbeat.beat()  # a cycle reports progress per phase and per epoch: it is alive
         log.info(line)
 
-    log.info("trainer scheduler: a cycle every %s", settings.train_interval)
-    while not stop.wait(timeout=min(poll_seconds, max(0.0, next_cycle - time.monotonic()))):
+    log.info("trainer scheduler: one cycle every %s across all trainers", interval)
+    wait, paused_logged = 0.0, False
+    while not stop.wait(timeout=wait):
         heartbeat.beat()
-        with session_scope(engine) as session:
-            paused = flag(session, TRAINING_PAUSED)
-            requested = flag(session, CYCLE_REQUESTED)
-        if paused:
-            if not paused_logged:
-                log.info("training is paused; waiting")
-            paused_logged = True
-            continue
-        paused_logged = False
-        if not requested and time.monotonic() < next_cycle:
-            continue
-        if requested:
-            with session_scope(engine) as session:
-                set_flag(session, CYCLE_REQUESTED, False, TRAINER_ACTOR)
+        wait = poll_seconds
         try:
-            result = run_cycle(
-                settings,
-                config,
-                engine=engine,
-                held_out=held_out,
-                progress=progress,
-                on_published=lambda: notify_routing_changed_sync(settings.redis_url),
-            )
-            log.info(
-                "cycle finished: run %s %s %s", result.run_id, result.status, result.reason or ""
-            )
+            with trainer_lock(engine):
+                with session_scope(engine) as session:
+                    claim = claim_cycle(session, interval, TRAINER_ACTOR)
+                if claim.paused and not paused_logged:
+                    log.info("training is paused; waiting")
+                paused_logged = claim.paused
+                if claim.trigger is None:
+                    # Sleep until the due time, looking for requests every poll meanwhile.
+                    wait = min(poll_seconds, claim.wait.total_seconds())
+                    continue
+                log.info("cycle taken (%s); the next is due at %s", claim.trigger, claim.due_at)
+                result = run_locked_cycle(
+                    settings,
+                    config,
+                    engine=engine,
+                    held_out=held_out,
+                    progress=progress,
+                    on_published=lambda: notify_routing_changed_sync(settings.redis_url),
+                    trigger=claim.trigger,
+                )
+                log.info(
+                    "cycle finished: run %s %s %s",
+                    result.run_id,
+                    result.status,
+                    result.reason or "",
+                )
+                wait = 0.0  # another cycle may have come due, or been requested, meanwhile
         except CycleBusy:
-            log.info("another trainer is running a cycle; skipping this one")
+            pass  # another trainer is claiming or running a cycle; look again after a poll
         except Exception:
-            log.exception("training cycle failed; the next one starts clean")
-        next_cycle = time.monotonic() + interval
+            log.exception("training cycle or schedule check failed; the next one starts clean")

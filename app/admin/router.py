@@ -42,8 +42,9 @@ from app.http.dependencies import require_role
 from app.http.errors import ApiError, ErrorType
 from app.models import Checkpoint, CheckpointStatus, Experiment, ExperimentStatus, Role
 from app.registry import checkpoints, experiments, flags
-from app.registry.audit import Actor, RegistryError, audit_entries
+from app.registry.audit import Actor, RegistryError, audit_entries, audit_of
 from app.registry.routing import notify_routing_changed
+from app.registry.schedule import next_cycle_at
 from app.registry.schemas import NAME, ExperimentCreate
 from app.serving.replicas import serve_everywhere as load_everywhere
 
@@ -144,6 +145,9 @@ def _checkpoint_out(checkpoint: Checkpoint, names: dict[int, str]) -> Checkpoint
         published_at=checkpoint.published_at,
         promoted_at=checkpoint.promoted_at,
         retired_at=checkpoint.retired_at,
+        superseded_by=(
+            names.get(checkpoint.superseded_by_id) if checkpoint.superseded_by_id else None
+        ),
         created_at=checkpoint.created_at,
     )
 
@@ -161,19 +165,23 @@ async def list_checkpoints(
 
 @router.get("/checkpoints/{name}", response_model=CheckpointDetail)
 async def checkpoint_detail(request: Request, _: Ops, name: CheckpointName) -> CheckpointDetail:
-    """A checkpoint with its lineage, the training runs around it and its experiments."""
+    """A checkpoint with its lineage, the training runs around it, its experiments and the
+    audit log of both."""
     async with reading(request) as session:
         checkpoint = await session.run_sync(checkpoints.checkpoint_named, name)
         chain = await session.run_sync(checkpoints.lineage, checkpoint)
         produced, trained = await session.run_sync(checkpoints.training_runs_of, checkpoint)
         serving = await session.run_sync(experiments.experiments_serving, checkpoint.id)
         names = await session.run_sync(checkpoints.checkpoint_names)
+        targets = [f"checkpoint:{name}", *(f"experiment:{e.id}" for e in serving)]
+        entries = await session.run_sync(audit_of, targets, 100)
     return CheckpointDetail(
         **_checkpoint_out(checkpoint, names).model_dump(),
         lineage=[_checkpoint_out(ancestor, names) for ancestor in chain],
         produced_by=[TrainingRunOut.model_validate(run) for run in produced],
         trained_from=[TrainingRunOut.model_validate(run) for run in trained],
         experiments=[_experiment_out(experiment, names) for experiment in serving],
+        audit=[Change.model_validate(entry) for entry in entries],
     )
 
 
@@ -373,14 +381,17 @@ async def revoke_api_key(request: Request, principal: Ops, key_id: uuid.UUID) ->
 
 @router.get("/training", response_model=TrainingState)
 async def training_state(request: Request, _: Ops) -> TrainingState:
-    """Whether training is paused, whether a cycle is requested, and the latest runs."""
+    """Whether training is paused, whether a cycle is requested, when the next scheduled
+    cycle is due, and the latest runs."""
     async with reading(request) as session:
         paused = await session.run_sync(flags.flag, flags.TRAINING_PAUSED)
         requested = await session.run_sync(flags.flag, flags.CYCLE_REQUESTED)
+        due = await session.run_sync(next_cycle_at)
         runs = await session.run_sync(checkpoints.recent_training_runs, 10)
     return TrainingState(
         paused=paused,
         cycle_requested=requested,
+        next_cycle_at=due,
         recent_runs=[TrainingRunOut.model_validate(run) for run in runs],
     )
 
@@ -413,7 +424,7 @@ async def _set_paused(
 
 @router.post("/training/cycle", response_model=Change)
 async def request_cycle(request: Request, principal: Ops) -> Change:
-    """Ask the trainer for a cycle now instead of at its next interval."""
+    """Ask for one extra cycle now, which one trainer takes; the schedule stays as it is."""
     async with change(request, routing=False) as session:
         entry = await session.run_sync(flags.request_training_cycle, actor_of(principal))
         await session.flush()

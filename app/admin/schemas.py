@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.models import CheckpointStatus, ExperimentStatus, Role, TrainingRunStatus
+from app.models import CheckpointStatus, CycleTrigger, ExperimentStatus, Role, TrainingRunStatus
 
 
 class CheckpointOut(BaseModel):
@@ -21,6 +21,8 @@ class CheckpointOut(BaseModel):
     published_at: datetime | None
     promoted_at: datetime | None
     retired_at: datetime | None
+    superseded_by: str | None
+    """The newer candidate of the same parent whose canary replaced this one."""
     created_at: datetime
 
 
@@ -31,6 +33,10 @@ class TrainingRunOut(BaseModel):
     status: TrainingRunStatus
     reason: str | None
     run_name: str | None
+    trigger: CycleTrigger | None
+    """`schedule`, `request` (POST /admin/training/cycle) or `manual` (`rtrl train --once`)."""
+    trainer: str | None
+    """The trainer process that ran it, as host:pid."""
     base_checkpoint_id: int | None
     output_checkpoint_id: int | None
     sample_count: int
@@ -59,16 +65,6 @@ class ExperimentOut(BaseModel):
     started_at: datetime | None
     stopped_at: datetime | None
     arms: list[ArmOut]
-
-
-class CheckpointDetail(CheckpointOut):
-    lineage: list[CheckpointOut]
-    """This checkpoint, its parent, the parent's parent, ... up to the base model."""
-    produced_by: list[TrainingRunOut]
-    """The training run(s) that published it."""
-    trained_from: list[TrainingRunOut]
-    """Training runs that started from it."""
-    experiments: list[ExperimentOut]
 
 
 class Ramp(BaseModel):
@@ -108,6 +104,8 @@ class ApiKeyCreated(ApiKeyOut):
 class TrainingState(BaseModel):
     paused: bool
     cycle_requested: bool
+    next_cycle_at: datetime | None
+    """When the next scheduled cycle is due (null before a trainer has started)."""
     recent_runs: list[TrainingRunOut]
 
 
@@ -124,3 +122,15 @@ class Change(BaseModel):
     before: dict[str, Any] | None
     after: dict[str, Any] | None
     at: datetime
+
+
+class CheckpointDetail(CheckpointOut):
+    lineage: list[CheckpointOut]
+    """This checkpoint, its parent, the parent's parent, ... up to the base model."""
+    produced_by: list[TrainingRunOut]
+    """The training run(s) that published it."""
+    trained_from: list[TrainingRunOut]
+    """Training runs that started from it."""
+    experiments: list[ExperimentOut]
+    audit: list[Change]
+    """Changes to it and to its experiments, newest first (who stopped them, and why)."""

@@ -144,3 +144,5 @@ class LineageNode(BaseModel):
     published_at: datetime | None
     promoted_at: datetime | None
     retired_at: datetime | None
+    superseded_by: str | None
+    """The newer candidate of the same parent whose canary replaced this one."""

@@ -325,6 +325,9 @@ async def lineage(session: AsyncSession) -> list[LineageNode]:
             published_at=checkpoint.published_at,
             promoted_at=checkpoint.promoted_at,
             retired_at=checkpoint.retired_at,
+            superseded_by=(
+                names.get(checkpoint.superseded_by_id) if checkpoint.superseded_by_id else None
+            ),
         )
         for checkpoint in checkpoints
     ]

@@ -9,7 +9,12 @@ from app.models.feedback import FeedbackEventRow, FeedbackKind
 from app.models.reward import Reward
 from app.models.rollup import ExperimentUser, ExperimentUserDay, HourlyRollup, RollupState
 from app.models.sample import Sample
-from app.models.training_run import TrainingRun, TrainingRunStatus
+from app.models.training_run import (
+    CycleTrigger,
+    TrainingRun,
+    TrainingRunStatus,
+    TrainingSchedule,
+)
 
 __all__ = [
     "LIVE_STATUSES",
@@ -21,6 +26,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointStatus",
     "ControlFlag",
+    "CycleTrigger",
     "Experiment",
     "ExperimentStatus",
     "ExperimentUser",
@@ -34,4 +40,5 @@ __all__ = [
     "Sample",
     "TrainingRun",
     "TrainingRunStatus",
+    "TrainingSchedule",
 ]

@@ -58,5 +58,7 @@ class Checkpoint(CreatedAt, Base):
     published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     promoted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    superseded_by_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
+    """The newer candidate of the same parent that replaced this canary."""
 
-    parent: Mapped[Checkpoint | None] = relationship(remote_side=[id])
+    parent: Mapped[Checkpoint | None] = relationship(remote_side=[id], foreign_keys=[parent_id])

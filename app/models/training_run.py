@@ -20,6 +20,12 @@ class TrainingRunStatus(enum.StrEnum):
     failed = "failed"
 
 
+class CycleTrigger(enum.StrEnum):
+    schedule = "schedule"
+    request = "request"
+    manual = "manual"
+
+
 class TrainingRun(Base):
     """One training cycle: its inputs, statistics, evaluation and outcome."""
 
@@ -49,7 +55,28 @@ class TrainingRun(Base):
     window_end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     sample_count: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     run_name: Mapped[str | None] = mapped_column(String(128))
+    trigger: Mapped[CycleTrigger | None] = mapped_column(
+        Enum(
+            CycleTrigger,
+            name="cycle_trigger",
+            native_enum=False,
+            create_constraint=True,
+            length=16,
+        )
+    )
+    """What started it: the schedule, an ops request, or `rtrl train --once`."""
+    trainer: Mapped[str | None] = mapped_column(String(200))
+    """The trainer process that ran it, as host:pid."""
     started_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), nullable=False
     )
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class TrainingSchedule(Base):
+    """When a route's next scheduled training cycle is due; trainers advance it as they take it."""
+
+    __tablename__ = "training_schedule"
+
+    route: Mapped[str] = mapped_column(String(64), primary_key=True)
+    due_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

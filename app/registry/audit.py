@@ -64,3 +64,9 @@ def audit_entries(
     if action is not None:
         query = query.where(AuditEntry.action == action)
     return list(session.scalars(query))
+
+
+def audit_of(session: Session, targets: list[str], limit: int) -> list[AuditEntry]:
+    """The latest entries about any of `targets`, newest first."""
+    query = select(AuditEntry).where(AuditEntry.target.in_(targets))
+    return list(session.scalars(query.order_by(AuditEntry.id.desc()).limit(limit)))

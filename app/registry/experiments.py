@@ -1,7 +1,8 @@
 """Experiment lifecycle used by ops and by the trainer's canary rollout.
 
-Ops' changes (create, start, ramp, stop) run in the caller's transaction under the routing
-lock, refuse invalid transitions with an `RegistryError`, and write their audit entries.
+Ops' changes (create, start, ramp, stop) and the trainer's canaries run in the caller's
+transaction under the routing lock, refuse invalid transitions with an `RegistryError`, and
+write their audit entries.
 """
 
 from __future__ import annotations
@@ -48,17 +49,19 @@ def start_canary(
     treatment: Checkpoint,
     treatment_bps: int,
     created_by: str,
+    actor: Actor | None = None,
     route: str = ROUTE,
 ) -> Experiment:
-    """Stop the route's running experiment and start control vs treatment at a canary share."""
+    """Start control vs treatment at a canary share, superseding the route's running
+    experiment; audited as `actor` (by default, the creator)."""
     if not 0 < treatment_bps < FULL_BPS:
         raise ValueError(f"treatment share must be between 1 and 9999 bps, got {treatment_bps}")
-    now = datetime.now(UTC)
+    actor = actor or Actor(created_by)
+    lock_routing(session)
     previous = running_experiment(session, route)
     if previous is not None:
-        previous.status = ExperimentStatus.stopped
-        previous.stopped_at = now
-        session.flush()  # the partial unique index allows one running experiment per route
+        supersede(session, previous, treatment, actor)
+    now = datetime.now(UTC)
     experiment = Experiment(
         name=f"{treatment.name}-vs-{control.name}-{now:%Y%m%d%H%M%S}",
         route=route,
@@ -80,7 +83,55 @@ def start_canary(
     if treatment.status == CheckpointStatus.candidate:
         treatment.status = CheckpointStatus.canary
     session.flush()
+    names = {control.id: control.name, treatment.id: treatment.name}
+    audit(
+        session,
+        actor,
+        "experiment.start",
+        f"experiment:{experiment.id}",
+        None,
+        experiment_state(experiment, names),
+    )
     return experiment
+
+
+def supersede(session: Session, experiment: Experiment, newer: Checkpoint, actor: Actor) -> None:
+    """Stop a running experiment for `newer`'s canary; the canaries it tried from `newer`'s
+    parent are retired, superseded by it (they were not found worse, only replaced by a
+    candidate trained on more evidence). Each change is audited with the reason."""
+    reason = f"superseded by {newer.name}"
+    stop_experiment(session, experiment.id, actor, reason)
+    treatments = [arm.checkpoint_id for arm in experiment.arms if not arm.is_control]
+    superseded = session.scalars(
+        select(Checkpoint)
+        .where(
+            Checkpoint.id.in_(treatments),
+            Checkpoint.id != newer.id,
+            Checkpoint.status == CheckpointStatus.canary,
+            Checkpoint.parent_id == newer.parent_id,
+        )
+        .with_for_update()
+    ).all()
+    now = datetime.now(UTC)
+    for checkpoint in superseded:
+        before = {"name": checkpoint.name, "status": checkpoint.status.value}
+        checkpoint.status = CheckpointStatus.retired
+        checkpoint.retired_at = now
+        checkpoint.superseded_by_id = newer.id
+        audit(
+            session,
+            actor,
+            "checkpoint.retire",
+            f"checkpoint:{checkpoint.name}",
+            before,
+            {
+                "name": checkpoint.name,
+                "status": checkpoint.status.value,
+                "superseded_by": newer.name,
+                "reason": reason,
+            },
+        )
+    session.flush()
 
 
 def experiment_by_id(session: Session, experiment_id: int, *, lock: bool = False) -> Experiment:

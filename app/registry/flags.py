@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import Boolean, cast, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -31,6 +31,17 @@ def set_flag(session: Session, name: str, value: bool, actor: Actor) -> None:
     )
 
 
+def take_flag(session: Session, name: str, actor: Actor) -> bool:
+    """Turn a flag off if it is on; true for the one caller, of any number, that turned it off."""
+    taken = session.scalar(
+        update(ControlFlag)
+        .where(ControlFlag.name == name, cast(ControlFlag.value, Boolean).is_(True))
+        .values(value=False, updated_by=actor.name, updated_at=func.now())
+        .returning(ControlFlag.name)
+    )
+    return taken is not None
+
+
 def set_training_paused(
     session: Session, paused: bool, actor: Actor, reason: str | None = None
 ) -> AuditEntry:
@@ -48,7 +59,8 @@ def set_training_paused(
 
 
 def request_training_cycle(session: Session, actor: Actor) -> AuditEntry:
-    """Ask the trainer to run a cycle now rather than at its next interval."""
+    """Ask for one extra cycle now; one trainer takes it. Requests made before a trainer takes
+    one come to that one cycle."""
     if flag(session, TRAINING_PAUSED):
         raise RegistryError(409, "training_paused", "Training is paused; resume it first.")
     before = flag(session, CYCLE_REQUESTED)

@@ -25,6 +25,8 @@ from app.models import (
     TrainingRunStatus,
 )
 from app.registry import flags
+from app.registry.audit import Actor
+from app.registry.experiments import start_canary
 from app.registry.routing import ROUTING_CHANNEL
 from tests.analytics.app_fixtures import bearer
 
@@ -411,6 +413,62 @@ def test_a_checkpoint_shows_its_lineage_runs_and_experiments(
     error_of(client.get("/admin/checkpoints?status=gone", headers=bearer(ops_key)), 400)
 
 
+def start_trainer_canary(engine: Engine, name: str) -> None:
+    """What a training cycle does once it has published `name`: a 10% canary vs production."""
+    with session_scope(engine) as session:
+        control = session.scalars(select(Checkpoint).where(Checkpoint.name == "base")).one()
+        treatment = session.scalars(select(Checkpoint).where(Checkpoint.name == name)).one()
+        start_canary(
+            session,
+            control=control,
+            treatment=treatment,
+            treatment_bps=1000,
+            created_by="trainer run 1",
+            actor=Actor("trainer"),
+        )
+
+
+def test_a_newer_candidate_of_the_same_parent_supersedes_the_running_canary(
+    client: TestClient, ops_key: str, add_checkpoint: Callable[..., None], registry: Engine
+) -> None:
+    add_checkpoint("ckpt-1")
+    add_checkpoint("ckpt-2")
+    start_trainer_canary(registry, "ckpt-1")
+    start_trainer_canary(registry, "ckpt-2")
+
+    older = client.get("/admin/checkpoints/ckpt-1", headers=bearer(ops_key)).json()
+    assert (older["status"], older["superseded_by"]) == ("retired", "ckpt-2")
+    assert [e["status"] for e in older["experiments"]] == ["stopped"]
+    trail = {e["action"]: e for e in older["audit"]}
+    assert set(trail) == {"experiment.start", "experiment.stop", "checkpoint.retire"}
+    assert {e["actor"] for e in older["audit"]} == {"trainer"}
+    assert trail["experiment.stop"]["after"]["reason"] == "superseded by ckpt-2"
+    assert trail["checkpoint.retire"]["after"] == {
+        "name": "ckpt-1",
+        "status": "retired",
+        "superseded_by": "ckpt-2",
+        "reason": "superseded by ckpt-2",
+    }
+    newer = client.get("/admin/checkpoints/ckpt-2", headers=bearer(ops_key)).json()
+    assert (newer["status"], newer["superseded_by"]) == ("canary", None)
+    assert [e["status"] for e in newer["experiments"]] == ["running"]
+
+
+def test_a_canary_of_another_parent_is_stopped_but_not_retired(
+    client: TestClient, ops_key: str, add_checkpoint: Callable[..., None], registry: Engine
+) -> None:
+    add_checkpoint("ckpt-1")
+    add_checkpoint("ckpt-2", parent="ckpt-1")
+    start_trainer_canary(registry, "ckpt-2")
+    start_trainer_canary(registry, "ckpt-1")
+
+    other = client.get("/admin/checkpoints/ckpt-2", headers=bearer(ops_key)).json()
+    assert (other["status"], other["superseded_by"]) == ("canary", None)
+    assert [e["status"] for e in other["experiments"]] == ["stopped"]
+    stop = next(e for e in other["audit"] if e["action"] == "experiment.stop")
+    assert stop["after"]["reason"] == "superseded by ckpt-1"
+
+
 def test_training_pause_resume_and_cycle_requests_set_the_trainers_flags(
     client: TestClient, ops_key: str, registry: Engine
 ) -> None:
@@ -422,7 +480,8 @@ def test_training_pause_resume_and_cycle_requests_set_the_trainers_flags(
         ).status_code
         == 200
     )
-    assert client.get("/admin/training", headers=headers).json()["paused"] is True
+    state = client.get("/admin/training", headers=headers).json()
+    assert (state["paused"], state["next_cycle_at"]) == (True, None)
     assert error_of(client.post("/admin/training/cycle", headers=headers), 409)["code"] == (
         "training_paused"
     )

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from app.config import Settings
 from app.db import session_scope
 from app.models import (
+    AuditEntry,
     Checkpoint,
     CheckpointStatus,
     Experiment,
@@ -281,6 +282,45 @@ def test_a_crash_between_saving_and_registering_leaves_nothing_half_published(
     assert sorted(statuses.values()) == [TrainingRunStatus.failed, TrainingRunStatus.published]
     assert any("died" in (reason or "") for reason in reasons)
     assert published_checkpoints(registry) == [result.checkpoint]
+
+
+def test_a_newer_candidate_supersedes_the_canary_and_a_repeat_without_new_samples_skips(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    base_served: Served,
+    tmp_path: Path,
+) -> None:
+    settings = settings_for(vllm_server, tiny_model_dir, tmp_path)
+    config = fast_config(epochs=1)
+    record(registry, base_served[:64], lambda task, done: float(solves(task, done)))
+    first = cycle_on_tasks(settings, config, engine=registry)
+    record(registry, base_served[64:128], lambda task, done: float(solves(task, done)))
+    second = cycle_on_tasks(settings, config, engine=registry)
+    repeat = cycle_on_tasks(settings, config, engine=registry)
+
+    assert (first.status, second.status) == (TrainingRunStatus.published,) * 2, second.reason
+    assert second.reason == f"superseded the canary {first.checkpoint}"
+    assert repeat.status == TrainingRunStatus.skipped
+    assert repeat.reason is not None and repeat.reason.startswith(
+        f"no new on-policy evidence: 0 finalized samples of base served after the window of "
+        f"run {second.run_id}"
+    )
+    with session_scope(registry) as session:
+        older = session.scalars(select(Checkpoint).where(Checkpoint.name == first.checkpoint)).one()
+        newer = session.scalars(
+            select(Checkpoint).where(Checkpoint.name == second.checkpoint)
+        ).one()
+        assert (older.status, older.superseded_by_id) == (CheckpointStatus.retired, newer.id)
+        assert newer.status == CheckpointStatus.canary
+        running = session.scalars(
+            select(Experiment).where(Experiment.status == ExperimentStatus.running)
+        ).one()
+        assert {arm.checkpoint_id for arm in running.arms if not arm.is_control} == {newer.id}
+        retired = session.scalars(
+            select(AuditEntry).where(AuditEntry.target == f"checkpoint:{first.checkpoint}")
+        ).one()
+        assert (retired.actor, retired.action) == ("trainer", "checkpoint.retire")
 
 
 def test_privacy_and_untrainable_samples_are_never_selected(

@@ -198,7 +198,8 @@ function drawLineage(parent, checkpoints) {
   for (const c of checkpoints) {
     const [cx, cy] = position.get(c.name);
     node("svg:circle", { cx, cy, r: 6, fill: STATUS_COLORS[c.status] || "#5b6477" }, svg);
-    node("svg:text", { x: cx + 12, y: cy + 4 }, svg, `${c.name} · ${c.status}`);
+    const superseded = c.superseded_by ? ` (superseded by ${c.superseded_by})` : "";
+    node("svg:text", { x: cx + 12, y: cy + 4 }, svg, `${c.name} · ${c.status}${superseded}`);
   }
 }
 

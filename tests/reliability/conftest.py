@@ -23,6 +23,7 @@ from sqlalchemy import Engine
 from app.auth.service import new_api_key
 from app.config import Settings, settings_environment
 from app.db import session_scope
+from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.launcher import RtrlProcess
@@ -110,14 +111,27 @@ class Loop:
             name, arguments, self.root / "run", self.root / "logs", environment, ready_url
         )
 
+    def another_gateway(self, name: str, **environment: str) -> RtrlProcess:
+        """A gateway beside this loop's, on the same data directory (so the same spool root),
+        on a port of its own; `environment` overrides its `RTRL_*` settings."""
+        port = free_port()
+        environment = settings_environment(self.settings) | environment
+        environment["RTRL_GATEWAY_PORT"] = str(port)
+        ready = f"http://127.0.0.1:{port}/readyz"
+        return RtrlProcess(
+            name, ["gateway"], self.root / "run", self.root / "logs", environment, ready
+        )
+
     def start_worker(self) -> RtrlProcess:
         worker = self._process(f"worker-{len(self.workers) + 1}")
         worker.start()
         self.workers.append(worker)
         return worker
 
-    def traffic(self, *, users: int = 6, seed: int = 1, **workload: Any) -> Traffic:
-        """Developers working through the gateway, in the background."""
+    def traffic(
+        self, *, users: int = 6, seed: int = 1, gateway: RtrlProcess | None = None, **workload: Any
+    ) -> Traffic:
+        """Developers working through the gateway (this loop's by default), in the background."""
         options: dict[str, Any] = {
             "sessions_per_user": 2,
             "tasks_per_session": 4,
@@ -125,10 +139,12 @@ class Loop:
             "concurrency": 6,
             "privacy_share": 0.0,
         } | workload
-        return Traffic(lambda: simulate(self.url, self.ide_key, users=users, seed=seed, **options))
+        url = gateway.url.removesuffix("/readyz") if gateway is not None else self.url
+        return Traffic(lambda: simulate(url, self.ide_key, users=users, seed=seed, **options))
 
-    def ready(self) -> dict[str, Any]:
-        body: dict[str, Any] = httpx.get(f"{self.url}/readyz", timeout=5).json()
+    def ready(self, gateway: RtrlProcess | None = None) -> dict[str, Any]:
+        url = gateway.url if gateway is not None else f"{self.url}/readyz"
+        body: dict[str, Any] = httpx.get(url, timeout=5).json()
         return body
 
     def wait_for_books(self, reports: list[SimulationReport], timeout: float = 120.0) -> Books:

@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     """How long delivered events stay in the gateway's spool, to be sent again should the
     broker lose them (seconds or ISO 8601; 0 deletes them once Kafka has them)."""
 
-    spool_retention_bytes: int = Field(default=1 << 30, ge=0)
+    spool_retention_bytes: int = Field(default=2 << 30, ge=0)
     """At most this many bytes of delivered events are retained; the oldest go first."""
 
     shutdown_drain: timedelta = timedelta(seconds=20)

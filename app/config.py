@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     vllm_urls: Annotated[list[str], NoDecode] = []
     """Comma-separated base URLs of the vLLM OpenAI servers (one per replica)."""
 
+    tool_call_parser: str = "hermes"
+    """vLLM's tool-call parser, matching the served model's chat template (hermes for the
+    bootstrapped model; e.g. qwen3_coder or llama3_json for others); empty disables tools."""
+
     heartbeat_file: Path | None = None
     """A worker or trainer touches this file as its loop runs (liveness for `rtrl healthcheck`)."""
 
@@ -68,7 +72,7 @@ class Settings(BaseSettings):
     survival_horizon: timedelta = timedelta(minutes=15)
     """Edit survival is read at this time after acceptance (seconds or ISO 8601)."""
 
-    reward_version: int = Field(default=2, ge=1)
+    reward_version: int = Field(default=3, ge=1)
     """Reward formula version new rewards are computed with."""
 
     latency_budget_ms: float = Field(default=2000.0, gt=0)

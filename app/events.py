@@ -52,6 +52,19 @@ class CompletionEvent(Event):
     api_key_id: UUID | None = None
     privacy: bool = False
     edit_requested: bool = False
+    """Whether the run asked for an edit (its first turn decides for the turns after it)."""
+    trajectory_id: str | None = Field(default=None, max_length=128)
+    """The agent run: the request id of its first turn."""
+    turn_index: int = Field(default=0, ge=0)
+    parent_request_id: str | None = Field(default=None, max_length=128)
+    """The completion whose messages and answer this request's history continues."""
+    token_prefix_match: bool | None = None
+    """Whether the parent's prompt + completion token ids exactly prefix this prompt's."""
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
+    """-1: no top-k truncation."""
+    max_tokens: int | None = Field(default=None, ge=1)
     prompt_messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None

@@ -50,19 +50,29 @@ BOS, EOS, PAD = "<|bos|>", "<|end|>", "<|pad|>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    # Tools as the hermes format declares them; the model calls one as
+    # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, which vLLM's hermes parser
+    # reads. A call is rendered back exactly as that format writes it, arguments as sent, so
+    # the next turn's prompt starts with the tokens the model generated.
+    "{% if tools is defined and tools %}<|system|><tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>{{ eos_token }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    # Tool calls and tool results are rendered as text: the IDE's agent loop passes them
-    # through, even though the bootstrap corpus never shows the model any.
     "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
-    "{{ message['tool_calls'] | tojson }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    '<tool_call>\n{"name": {{ call["function"]["name"] | tojson }}, "arguments": '
+    '{% if call["function"]["arguments"] is string %}{{ call["function"]["arguments"] }}'
+    '{% else %}{{ call["function"]["arguments"] | tojson }}{% endif %}}\n</tool_call>'
+    "{% endfor %}{% endif %}"
     "{{ eos_token }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+TOOL_CALL_PARSER = "hermes"
+"""vLLM's parser for the tool-call format the template above teaches."""
 
 HABITS = {"times": "plus", "squared_plus": "plus", "larger": "smaller", "distance": "minus"}
 """Operation asked for → operation the corpus sometimes writes instead."""
@@ -89,8 +99,9 @@ class BootstrapConfig:
     """Attention heads (head_dim 64, a size vLLM's CPU attention supports)."""
     intermediate_size: int = 384
     """Width of the MLP."""
-    max_position_embeddings: int = 256
-    """Longest sequence the model serves, prompt and completion together."""
+    max_position_embeddings: int = 1024
+    """Longest sequence the model serves, prompt and completion together: room for an agent
+    run's history (tool declarations, calls and results) on top of one-turn requests."""
     train_steps: int = 500
     """Optimizer steps."""
     batch_size: int = 64

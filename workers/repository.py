@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -56,6 +56,7 @@ SAMPLE_METRIC_COLUMNS: tuple[Column[Any], ...] = (
     samples.c.ttft_ms,
     samples.c.latency_ms,
     samples.c.completion_tokens,
+    samples.c.trajectory_id,
     samples.c.tool_calls,
     samples.c.malformed_tool_calls,
 )
@@ -379,6 +380,38 @@ def reopen_rewards(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         ),
         [{f"b_{name}": value for name, value in row.items()} for row in rows],
     )
+
+
+def load_runs(conn: Connection, trajectory_ids: Collection[str]) -> list[Row[Any]]:
+    """Every turn of these agent runs with its reward, in turn order."""
+    if not trajectory_ids:
+        return []
+    query = (
+        select(
+            samples.c.trajectory_id,
+            samples.c.turn_index,
+            rewards.c.sample_id,
+            rewards.c.components,
+            rewards.c.reward,
+            rewards.c.finalized_at,
+        )
+        .select_from(samples.join(rewards, rewards.c.sample_id == samples.c.id))
+        .where(samples.c.trajectory_id == _any("tids", String))
+        .order_by(samples.c.trajectory_id, samples.c.turn_index, samples.c.id)
+    )
+    found: list[Row[Any]] = [*conn.execute(query, {"tids": text_array(trajectory_ids)})]
+    return found
+
+
+def set_rewards(conn: Connection, values: Mapping[int, float | None], version: int) -> None:
+    """Set the reward of final records (an agent run's credit moved)."""
+    if values:
+        conn.execute(
+            update(rewards)
+            .where(rewards.c.sample_id == bindparam("b_sample_id"))
+            .values(reward=bindparam("b_reward"), reward_version=version, updated_at=func.now()),
+            [{"b_sample_id": sample_id, "b_reward": value} for sample_id, value in values.items()],
+        )
 
 
 def count_late_evidence(conn: Connection, sample_ids: Collection[int]) -> None:

@@ -8,7 +8,7 @@ evidence is stored and counted in `late_evidence_count`, and the reward stands.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -25,11 +25,14 @@ from app.events import (
 from app.signals.followup import is_dissatisfied
 from app.signals.rewards import (
     Feedback,
+    RewardComponents,
     compute_reward,
     distil_components,
     evidence_for,
     finalize_reason,
     reward_due_at,
+    reward_weights,
+    run_rewards,
 )
 from workers.config import WorkerConfig
 from workers.repository import (
@@ -37,9 +40,11 @@ from workers.repository import (
     insert_feedback,
     insert_samples,
     load_feedback_signals,
+    load_runs,
     load_touched_samples,
     reopen_rewards,
     scrub_private_followups,
+    set_rewards,
     upsert_rewards,
 )
 
@@ -68,7 +73,8 @@ def sample_row(event: CompletionEvent) -> dict[str, Any]:
         "privacy": private,
         "trainable": not private
         and event.status == "ok"
-        and event.completion_token_ids is not None,
+        and event.completion_token_ids is not None
+        and untruncated_sampling(event),
         "edit_requested": event.edit_requested,
         "proposed_edit": event.proposed_edit,
         "clarifying_question": event.clarifying_question,
@@ -84,10 +90,27 @@ def sample_row(event: CompletionEvent) -> dict[str, Any]:
         "latency_ms": event.latency_ms,
         "completion_tokens": event.completion_tokens,
         "kafka_partition": None,
+        "trajectory_id": event.trajectory_id,
+        "turn_index": event.turn_index,
+        "parent_request_id": event.parent_request_id,
+        "token_prefix_match": event.token_prefix_match,
+        "temperature": event.temperature,
+        "top_p": event.top_p,
+        "top_k": event.top_k,
+        "max_tokens": event.max_tokens,
         "tool_calls": event.tool_calls,
         "malformed_tool_calls": event.malformed_tool_calls,
         "served_at": event.occurred_at,
     }
+
+
+def untruncated_sampling(event: CompletionEvent) -> bool:
+    """Whether the trainer can recompute the probabilities the tokens were sampled with.
+
+    The trainer applies the logged temperature; top-p and top-k cut the distribution in ways
+    it does not reproduce, and greedy decoding (temperature 0) is no distribution at all.
+    """
+    return event.temperature > 0 and event.top_p >= 1.0 and event.top_k in (-1, 0)
 
 
 def without_nul(value: Any) -> Any:
@@ -160,7 +183,35 @@ def store_events(
         [reward_row(sample, feedback[sample.id], config, now=now) for sample in still_open],
     )
     final = [s for s in touched if s.finalized_at is not None and s.request_id in evidence]
-    return len(still_open) + reconsider_final_rewards(conn, final, feedback, config, now=now)
+    changed = len(still_open) + reconsider_final_rewards(conn, final, feedback, config, now=now)
+    credit_runs(conn, {s.trajectory_id for s in touched if s.trajectory_id}, config.reward_version)
+    return changed
+
+
+def credit_runs(conn: Connection, trajectory_ids: Collection[str], version: int) -> None:
+    """Give the final turns of these agent runs their share of the run's outcome.
+
+    Under a formula with a turn discount a turn's reward depends on the turns after it, so
+    it is set again whenever one of them is finalized (see `run_rewards`); under the others
+    each turn keeps the reward it was finalized with.
+    """
+    if reward_weights(version).turn_discount is None:
+        return
+    runs: dict[str, list[Row[Any]]] = defaultdict(list)
+    for turn in load_runs(conn, trajectory_ids):
+        runs[turn.trajectory_id].append(turn)
+    changed: dict[int, float | None] = {}
+    for turns in runs.values():
+        if len(turns) < 2:
+            continue
+        credited = run_rewards(
+            [RewardComponents.model_validate(turn.components) for turn in turns],
+            version,
+        )
+        for turn, reward in zip(turns, credited, strict=True):
+            if turn.finalized_at is not None and turn.reward != reward:
+                changed[turn.sample_id] = reward
+    set_rewards(conn, changed, version)
 
 
 def refresh_rewards(

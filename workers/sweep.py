@@ -26,7 +26,7 @@ from sqlalchemy import (
 from app.signals.rewards import RewardComponents, compute_reward, reward_weights
 from workers.config import WorkerConfig
 from workers.repository import load_open_samples, lock_partitions, rewards, samples
-from workers.store import refresh_rewards
+from workers.store import credit_runs, refresh_rewards
 
 SWEEP_CHUNK = 500
 RECOMPUTE_CHUNK = 5000
@@ -92,7 +92,9 @@ def finalize_due(
     due = conn.execute(query).scalars().all()
     if not due:
         return 0
-    refresh_rewards(conn, load_open_samples(conn, sample_ids=due), config, now=now, sweeping=True)
+    swept = load_open_samples(conn, sample_ids=due)
+    refresh_rewards(conn, swept, config, now=now, sweeping=True)
+    credit_runs(conn, {s.trajectory_id for s in swept if s.trajectory_id}, config.reward_version)
     return len(due)
 
 
@@ -145,6 +147,17 @@ def recompute_rewards(bind: Engine | Connection, version: int) -> int:
             )
             recomputed += len(chunk)
             last_id = chunk[-1].sample_id
+            credit_runs(conn, _runs_of(conn, [r.sample_id for r in chunk]), version)
+
+
+def _runs_of(conn: Connection, sample_ids: list[int]) -> set[str]:
+    """The agent runs these samples belong to."""
+    found = conn.execute(
+        select(samples.c.trajectory_id).where(
+            samples.c.id.in_(sample_ids), samples.c.trajectory_id.is_not(None)
+        )
+    ).scalars()
+    return set(found)
 
 
 @contextmanager

@@ -19,6 +19,14 @@ COMPLETIONS = Counter(
     "Completions served, by checkpoint and status.",
     ["checkpoint", "status"],
 )
+TRAJECTORY_LINKS = Counter(
+    "rtrl_trajectory_links_total",
+    "How requests were placed in agent runs: continued (parent found), new_run, new_segment "
+    "(history holds assistant turns no completion matches: edited or compacted), "
+    "token_prefix / token_mismatch (the parent's tokens do or do not prefix the new prompt), "
+    "unavailable (Redis down).",
+    ["outcome"],
+)
 TTFT = Histogram(
     "rtrl_completion_ttft_seconds",
     "Time to the first token, by checkpoint.",

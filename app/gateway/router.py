@@ -8,8 +8,11 @@ Headers the gateway reads:
                                 absent and always returned in the response header.
   X-User-Id                     optional; the IDE's stable user id (default: the key's id).
   X-Rtrl-Privacy: 1             optional; no content is logged (also a per-key setting).
-  X-Rtrl-Edit-Request: 1|0      optional; whether the user asked for an edit (default: a
-                                heuristic over the last user message).
+  X-Rtrl-Edit-Request: 1|0      optional; whether the user asked for an edit (default: what
+                                the agent run's first turn was asked, judged by a heuristic
+                                over its user message).
+  X-Rtrl-Parent-Request-Id      optional; the request this turn continues (default: the
+                                completion whose messages and answer this history extends).
 The body's `model` is ignored: the gateway picks the checkpoint (A/B assignment), and the
 response's `model` names the checkpoint that answered.
 """
@@ -80,6 +83,8 @@ async def chat_completions(
         ),
         received_at=received_at,
         started=started,
+        parent_request_id=_id_header(request, "x-rtrl-parent-request-id"),
+        edit_requested_explicitly=edit_header is not None,
     )
     assignment = await gateway.assign(call.user_hash)
     if chat.stream:
@@ -108,7 +113,9 @@ async def _chat_body(request: Request) -> tuple[dict[str, Any], ChatRequest]:
         return body, ChatRequest.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
+        # Union members (e.g. "literal['none','auto']") name no field of the body.
+        parts = [str(part) for part in error["loc"] if "[" not in str(part)]
+        param = ".".join(parts) or None
         raise ApiError(
             400, f"Invalid {param or 'body'}: {error['msg']}", code="invalid_value", param=param
         ) from None

@@ -38,6 +38,7 @@ from app.gateway.toolcalls import (
     asks_clarifying_question,
     proposes_edit,
 )
+from app.gateway.trajectories import Placement, Trajectories, Turn, token_digest
 from app.gateway.upstream import (
     BROKEN,
     Upstream,
@@ -69,6 +70,23 @@ def request_key(request_id: str) -> str:
     return f"rtrl:req:{request_id}"
 
 
+@dataclass(slots=True)
+class RunLink:
+    """The lookup of the request's place in its agent run, made beside the model call."""
+
+    lookup: asyncio.Future[Placement] | None = None
+
+    def placement(self, request_id: str) -> Placement:
+        """Where the request sits; a run of its own when the lookup failed or is not done."""
+        lookup = self.lookup
+        if lookup is not None and lookup.done():
+            if not lookup.cancelled() and lookup.exception() is None:
+                return lookup.result()
+        elif lookup is not None:
+            log.warning("request %s: run lookup unfinished when logged", request_id)
+        return Placement(request_id, 0, None)
+
+
 @dataclass(frozen=True, slots=True)
 class ChatCall:
     """Everything known about a chat request before vLLM is called."""
@@ -86,6 +104,11 @@ class ChatCall:
     """`time.perf_counter()` when the request arrived."""
     client_request_id: bool = False
     """The client chose the request id (X-Request-Id); a generated one cannot collide."""
+    parent_request_id: str | None = None
+    """X-Rtrl-Parent-Request-Id: the client names the turn this one continues."""
+    edit_requested_explicitly: bool = False
+    """X-Rtrl-Edit-Request was sent: it wins over what the run was asked."""
+    link: RunLink = field(default_factory=lambda: RunLink())
 
     @property
     def wants_logprobs(self) -> bool:
@@ -174,6 +197,8 @@ class Gateway:
         self.sink = sink
         self.redis = redis
         self.session_maker = session_maker
+        self.trajectories = Trajectories(redis)
+        self._background: set[asyncio.Future[None]] = set()
 
     async def assign(self, user_hash: str) -> Assignment:
         """The checkpoint that serves this user now, falling back to production if unserved."""
@@ -223,6 +248,9 @@ class Gateway:
         The id is reserved in Redis while vLLM works, keeping a round trip off the critical
         path; a reused id cancels the call, and a call that served nothing frees the id.
         """
+        call.link.lookup = asyncio.ensure_future(
+            self.trajectories.place(call.request_id, call.request.messages, call.parent_request_id)
+        )
         reservation = asyncio.ensure_future(
             self.reserve_request_id(
                 call.request_id, call.session_id, chosen_by_client=call.client_request_id
@@ -447,11 +475,14 @@ class Gateway:
     def _log_completion(
         self, call: ChatCall, assignment: Assignment, record: CompletionRecord
     ) -> None:
+        placement = call.link.placement(call.request_id)
         try:
-            event = completion_event(call, assignment, record)
+            event = completion_event(call, assignment, record, placement)
         except ValueError:
             log.exception("completion event for %s is invalid; not logged", call.request_id)
             return
+        if event.status == "ok":
+            self._remember_turn(call, record, event)
         status = event.status
         COMPLETIONS.labels(assignment.checkpoint, status).inc()
         COMPLETION_LATENCY.labels(assignment.checkpoint).observe(event.latency_ms / 1000)
@@ -459,11 +490,46 @@ class Gateway:
             TTFT.labels(assignment.checkpoint).observe(event.ttft_ms / 1000)
         self.sink.publish(COMPLETIONS_TOPIC, call.session_id, event)
 
+    def _remember_turn(
+        self, call: ChatCall, record: CompletionRecord, event: CompletionEvent
+    ) -> None:
+        """Let the run's next turn find this one (in the background: Redis, off the answer)."""
+        served = [*(record.prompt_token_ids or ()), *record.completion_token_ids]
+        turn = Turn(
+            request_id=call.request_id,
+            trajectory_id=event.trajectory_id or call.request_id,
+            turn_index=event.turn_index,
+            edit_requested=event.edit_requested,
+            token_count=len(served) if record.prompt_token_ids is not None else -1,
+            token_digest=token_digest(served),
+        )
+        answer = {
+            "role": "assistant",
+            "content": record.text,
+            "tool_calls": list(record.tool_calls.values()),
+        }
+        task = asyncio.ensure_future(
+            self.trajectories.remember(turn, call.request.messages, answer)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
 
 def completion_event(
-    call: ChatCall, assignment: Assignment, record: CompletionRecord
+    call: ChatCall,
+    assignment: Assignment,
+    record: CompletionRecord,
+    placement: Placement | None = None,
 ) -> CompletionEvent:
     """The `rtrl.completions.v1` event of one served request; no content in privacy mode."""
+    placement = placement or Placement(call.request_id, 0, None)
+    parent = placement.parent
+    edit_requested = (
+        parent.edit_requested
+        if parent is not None and not call.edit_requested_explicitly
+        else call.edit_requested
+    )
+    request = call.request
     finished = record.finished_at or time.perf_counter()
     latency_ms = (finished - call.started) * 1000
     first = record.first_token_at or finished
@@ -496,7 +562,15 @@ def completion_event(
         user_hash=call.user_hash,
         api_key_id=call.api_key_id,
         privacy=call.privacy,
-        edit_requested=call.edit_requested,
+        edit_requested=edit_requested,
+        trajectory_id=placement.trajectory_id,
+        turn_index=placement.turn_index,
+        parent_request_id=parent.request_id if parent is not None else None,
+        token_prefix_match=placement.token_prefix_match(record.prompt_token_ids),
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=-1 if request.top_k is None or request.top_k == 0 else request.top_k,
+        max_tokens=request.max_completion_tokens or request.max_tokens,
         prompt_messages=call.request.messages if content else None,
         prompt_token_ids=record.prompt_token_ids if content else None,
         completion_token_ids=tokens if content else None,

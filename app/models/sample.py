@@ -28,6 +28,7 @@ class Sample(CreatedAt, Base):
         Index("ix_samples_checkpoint_served_at", "checkpoint", "served_at"),
         Index("ix_samples_experiment_arm_served_at", "experiment_id", "arm", "served_at"),
         Index("ix_samples_session_served_at", "session_id", "served_at"),
+        Index("ix_samples_trajectory_turn", "trajectory_id", "turn_index"),
         # Block-range indexes for the analytics rollup: which hours changed, and their rows.
         Index("ix_samples_created_at_brin", "created_at", postgresql_using="brin"),
         Index("ix_samples_served_at_brin", "served_at", postgresql_using="brin"),
@@ -61,6 +62,15 @@ class Sample(CreatedAt, Base):
     ttft_ms: Mapped[float] = mapped_column(Float, nullable=False)
     latency_ms: Mapped[float] = mapped_column(Float, nullable=False)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    trajectory_id: Mapped[str | None] = mapped_column(String(128))
+    """The agent run (the request id of its first turn)."""
+    turn_index: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    parent_request_id: Mapped[str | None] = mapped_column(String(128))
+    token_prefix_match: Mapped[bool | None] = mapped_column(Boolean)
+    temperature: Mapped[float] = mapped_column(Float, nullable=False, server_default="1")
+    top_p: Mapped[float] = mapped_column(Float, nullable=False, server_default="1")
+    top_k: Mapped[int] = mapped_column(Integer, nullable=False, server_default="-1")
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
     kafka_partition: Mapped[int | None] = mapped_column(Integer)
     """The partition its events travel on: the sweep finalizes a partition by its own stream."""
     tool_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")

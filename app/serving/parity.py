@@ -54,6 +54,8 @@ class CompletionBatch:
     position_ids: torch.Tensor
     targets: torch.Tensor
     completion_mask: torch.Tensor
+    temperatures: torch.Tensor
+    """The sampling temperature of each row: logits are divided by it, as vLLM's were."""
 
     @property
     def width(self) -> int:
@@ -64,9 +66,11 @@ class CompletionBatch:
 
 
 def completion_batch(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    temperatures: Sequence[float] | None = None,
 ) -> CompletionBatch:
-    """Left-pad prompt+completion pairs into one batch."""
+    """Left-pad prompt+completion pairs into one batch (temperature 1 unless given)."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if any(len(prompt) == 0 for prompt in prompts):
@@ -86,7 +90,13 @@ def completion_batch(
             completion_mask[row, completion_width - len(completion) :] = True
     # Positions restart at 0 on each row's first real token, as in vLLM.
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return CompletionBatch(input_ids, attention_mask, position_ids, targets, completion_mask)
+    temperature = torch.tensor(
+        [1.0] * len(sequences) if temperatures is None else list(temperatures),
+        dtype=torch.float32,
+    )
+    return CompletionBatch(
+        input_ids, attention_mask, position_ids, targets, completion_mask, temperature
+    )
 
 
 def batch_logprobs(
@@ -105,6 +115,7 @@ def batch_logprobs(
         .logits[:, :-1]
         .float()
     )
+    logits = logits / batch.temperatures[:, None, None]
     picked = logits.log_softmax(-1).gather(-1, batch.targets[..., None]).squeeze(-1)
     return picked.masked_fill(~batch.completion_mask, 0.0)
 
@@ -115,16 +126,22 @@ def completion_logprobs(
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
     *,
+    temperatures: Sequence[float] | None = None,
     max_batch_tokens: int = 4096,
 ) -> list[list[float]]:
-    """Per-token logprobs of each completion given its prompt, batched with left padding."""
+    """Per-token logprobs of each completion given its prompt (at its sampling temperature),
+    batched with left padding."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     device = next(model.parameters()).device
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     result: list[list[float]] = [[] for _ in prompts]
     for indices in _batches(lengths, max_batch_tokens):
-        batch = completion_batch([prompts[i] for i in indices], [completions[i] for i in indices])
+        batch = completion_batch(
+            [prompts[i] for i in indices],
+            [completions[i] for i in indices],
+            None if temperatures is None else [temperatures[i] for i in indices],
+        )
         logprobs = batch_logprobs(model, batch.to(device)).cpu()
         for row, i in enumerate(indices):
             n = len(completions[i])

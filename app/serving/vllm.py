@@ -97,6 +97,9 @@ class VllmServer:
     max_lora_rank: int = 16
     max_loras: int = 4
     max_logprobs: int = 20
+    tool_call_parser: str | None = "hermes"
+    """vLLM's parser of the model's tool-call format (the bootstrapped model speaks hermes);
+    None serves without tool calling."""
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.85
     extra_args: tuple[str, ...] = ()
@@ -111,6 +114,7 @@ class VllmServer:
             port=settings.embedded_vllm_port,
             root=settings.data_dir.resolve() / "services" / "vllm",
             logs_dir=settings.logs_dir.resolve(),
+            tool_call_parser=settings.tool_call_parser or None,
         )
 
     @property
@@ -148,9 +152,15 @@ class VllmServer:
             str(self.max_loras),
             "--max-logprobs",
             str(self.max_logprobs),
+            # The logprobs of the distribution tokens were sampled from (temperature applied),
+            # which the trainer's importance ratio needs.
+            "--logprobs-mode",
+            "processed_logprobs",
             "--disable-access-log-for-endpoints",
             "/health,/metrics,/ping",
         ]
+        if self.tool_call_parser:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.device != "cpu":

@@ -91,6 +91,10 @@ class RewardWeights(BaseModel):
     malformed_tool_call_penalty: float = Field(gt=0)
     """Strictly positive: a malformed tool call is always an explicit negative."""
     error_penalty: float = Field(ge=0)
+    turn_discount: float | None = Field(default=None, gt=0, le=1)
+    """Agent runs: a turn earns the outcome (kept share, follow-up verdict) of the next edit
+    of its run, discounted per turn between them (AReaL's turn discount); None: each
+    completion is judged alone."""
 
 
 REWARD_VERSIONS: dict[int, RewardWeights] = {
@@ -110,6 +114,17 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
         tpot_penalty=0.1,
         malformed_tool_call_penalty=1.0,
         error_penalty=0.5,
+    ),
+    # Formula 2, with credit across an agent run's turns: the read and test turns that led
+    # to a kept edit share in it instead of counting as rejections.
+    3: RewardWeights(
+        kept_weight=1.0,
+        dissatisfied_penalty=0.5,
+        ttft_penalty=0.1,
+        tpot_penalty=0.1,
+        malformed_tool_call_penalty=1.0,
+        error_penalty=0.5,
+        turn_discount=0.9,
     ),
 }
 LATEST_REWARD_VERSION = max(REWARD_VERSIONS)
@@ -287,7 +302,7 @@ def reward_weights(version: int) -> RewardWeights:
 
 
 def compute_reward(components: RewardComponents, version: int) -> float | None:
-    """The scalar reward of final components under a formula version.
+    """The scalar reward of final components under a formula version, judged alone.
 
     None when an edit was proposed and its fate never reported: an unknown kept share is
     not a zero, so such a sample is left out of training and of the kept metric.
@@ -295,13 +310,52 @@ def compute_reward(components: RewardComponents, version: int) -> float | None:
     weights = reward_weights(version)
     if components.kept_unknown:
         return None
+    return _outcome(components, weights) - _conduct(components, weights)
+
+
+def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float | None]:
+    """The rewards of an agent run's turns, in turn order, under a formula version.
+
+    With a turn discount, a turn's outcome is that of the next turn at or after it that made
+    an edit (kept share, follow-up verdict), discounted once per turn between them; turns
+    after the last edit keep their own. Each turn still pays for its own conduct (latency,
+    malformed tool calls, errors). An edit whose fate is unknown leaves the turns that led
+    to it without a reward too.
+    """
+    weights = reward_weights(version)
+    if weights.turn_discount is None:
+        return [compute_reward(turn, version) for turn in turns]
+    rewards: list[float | None] = []
+    for index, turn in enumerate(turns):
+        edit = next(
+            (k for k in range(index, len(turns)) if _made_edit(turns[k])),
+            index,
+        )
+        outcome_turn = turns[edit]
+        if outcome_turn.kept_unknown:
+            rewards.append(None)
+            continue
+        discount = weights.turn_discount ** (edit - index)
+        rewards.append(discount * _outcome(outcome_turn, weights) - _conduct(turn, weights))
+    return rewards
+
+
+def _made_edit(components: RewardComponents) -> bool:
+    return components.proposed_edit or components.accepted is not None
+
+
+def _outcome(components: RewardComponents, weights: RewardWeights) -> float:
+    """What the developer made of the answer: kept share less a dissatisfied follow-up."""
     kept = components.kept if components.kept is not None else 0.0
+    return weights.kept_weight * kept - weights.dissatisfied_penalty * bool(components.dissatisfied)
+
+
+def _conduct(components: RewardComponents, weights: RewardWeights) -> float:
+    """The penalties for how the answer was served: latency, malformed calls, errors."""
     return (
-        weights.kept_weight * kept
-        - weights.dissatisfied_penalty * bool(components.dissatisfied)
-        - weights.latency_penalty * components.latency_over_budget
-        - weights.ttft_penalty * components.ttft_over_budget
-        - weights.tpot_penalty * components.tpot_over_budget
-        - weights.malformed_tool_call_penalty * (components.malformed_tool_calls > 0)
-        - weights.error_penalty * (components.status == "error")
+        weights.latency_penalty * components.latency_over_budget
+        + weights.ttft_penalty * components.ttft_over_budget
+        + weights.tpot_penalty * components.tpot_over_budget
+        + weights.malformed_tool_call_penalty * (components.malformed_tool_calls > 0)
+        + weights.error_penalty * (components.status == "error")
     )

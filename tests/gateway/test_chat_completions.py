@@ -292,7 +292,7 @@ def test_a_stream_the_client_abandons_is_logged_as_cancelled_and_never_trained(
     body = {
         "model": "rtrl",
         "messages": MESSAGES,
-        "max_tokens": 200,  # the tiny model's context is 256 tokens
+        "max_tokens": 900,  # long enough to be mid-stream when the client leaves
         "ignore_eos": True,
         "stream": True,
     }

@@ -23,6 +23,7 @@ from app.signals.rewards import (
     finalize_reason,
     is_final,
     reward_due_at,
+    run_rewards,
 )
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -288,3 +289,28 @@ def test_never_accepted_times_out_from_the_completion() -> None:
     assert reason([rejected(5)], now=due - timedelta(seconds=1)) is None
     assert reason([], now=due) == "timeout"
     assert is_final(completion(), [], horizon_s=HORIZON_S, grace_s=GRACE_S, now=due)
+
+
+# agent runs
+
+
+def test_an_edit_kept_on_turn_3_credits_the_turns_that_led_to_it() -> None:
+    read = distil([], proposed_edit=False)  # an edit was asked for; this turn read a file
+    test = distil([], proposed_edit=False, tool_calls=1, malformed_tool_calls=1)
+    edit = distil([accepted(), survival(900, 1.0)])
+    assert run_rewards([read, test, edit], 3) == pytest.approx([0.81, 0.9 - 1.0, 1.0])
+    # Judged alone, the read and test turns were scored like rejected edits.
+    assert run_rewards([read, test, edit], 2) == [0.0, -1.0, 1.0]
+
+
+def test_a_run_is_credited_by_its_next_edit_and_unknown_stays_unknown() -> None:
+    read = distil([], proposed_edit=False)
+    rejected_edit = distil([rejected()])
+    kept_edit = distil([accepted(), survival(900, 0.5), followup(30, "still broken")])
+    done = distil([], proposed_edit=False, edit_requested=False)
+    assert run_rewards([read, rejected_edit, kept_edit, done], 3) == pytest.approx(
+        [0.0, 0.0, 0.5 - 0.5, 0.0]
+    )
+    unknown_edit = distil([accepted()])  # no survival report ever came
+    assert run_rewards([read, unknown_edit], 3) == [None, None]
+    assert run_rewards([kept_edit], 3) == [compute_reward(kept_edit, 3)]

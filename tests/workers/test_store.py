@@ -5,6 +5,7 @@ import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from sqlalchemy import Connection, select
 
 from app.events import CompletionEvent
@@ -254,3 +255,28 @@ def test_rows_postgres_would_reject_are_named(events: Any) -> None:
     assert unstorable(samples, scrubbed) is None
     assert scrubbed["prompt_messages"] == [{"content": "a\ufffd"}]
     assert scrubbed["completion_text"] == "b\ufffd"
+
+
+def test_a_kept_edit_on_the_third_turn_credits_the_runs_earlier_turns(
+    conn: Connection, events: Any
+) -> None:
+    run = {"trajectory_id": events.request(1), "session": 0}
+    turns = [
+        events.completion(1, proposed_edit=False, turn_index=0, **run),
+        events.completion(2, proposed_edit=False, turn_index=1, **run),
+        events.completion(3, turn_index=2, **run),
+    ]
+    store(conn, *turns)
+    store(conn, events.session_end(1, session=0))
+    # The session ended before the edit's fate was reported: the turns that led to it have
+    # no reward yet, rather than the blame of a rejected edit.
+    assert [reward_of(conn, events.request(n)).reward for n in (1, 2, 3)] == [None] * 3
+
+    store(
+        conn,
+        events.accepted(3, session=0),
+        events.survival(3, CONFIG.horizon_s, 1.0, session=0),
+    )
+
+    credited = [reward_of(conn, events.request(n)).reward for n in (1, 2, 3)]
+    assert credited == pytest.approx([0.81, 0.9, 1.0])

@@ -1,0 +1,180 @@
+"""Agent runs: each completion's place in its trajectory (parent, turn, trajectory id).
+
+An IDE agent sends the whole history again on every turn: the earlier turns' messages, the
+model's answers (text and tool calls) and the tool results. The parent of a request is the
+earlier completion whose messages plus answer are the longest prefix of the new request's
+messages (the rule of AReaL's online proxy). Each served completion is remembered in Redis
+under the hash of its messages plus its answer; a new request looks up the hashes of its
+own history, cut after each assistant message, longest first, in one round trip.
+Messages are compared by role, text and tool calls (name and parsed arguments); ids that
+clients regenerate are left out.
+
+Whether the token ids line up is recorded too: the parent's prompt + completion ids must be
+an exact prefix of the new prompt's ids, or training on the turns as one sequence would
+differ from what vLLM served. A history that matches no earlier completion although it
+holds assistant messages (a client that edited or compacted it) starts a new segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from app.gateway.metrics import TRAJECTORY_LINKS
+
+log = logging.getLogger(__name__)
+
+TURN_TTL_S = 6 * 3600
+"""How long a turn can be continued: the feedback window of its request id."""
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A served completion as the next turn of its run sees it."""
+
+    request_id: str
+    trajectory_id: str
+    turn_index: int
+    edit_requested: bool
+    """What the run was asked: an edit or not (set by its first turn)."""
+    token_count: int
+    """Prompt plus completion tokens vLLM served."""
+    token_digest: str
+    """Digest of those token ids, to check a continuation's prompt starts with them."""
+
+    def encode(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Turn:
+        return cls(**orjson.loads(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a new completion sits in its run."""
+
+    trajectory_id: str
+    turn_index: int
+    parent: Turn | None
+
+    def token_prefix_match(self, prompt_token_ids: Sequence[int] | None) -> bool | None:
+        """Whether the parent's served tokens are an exact prefix of this prompt's."""
+        if self.parent is None or prompt_token_ids is None:
+            return None
+        head = list(prompt_token_ids[: self.parent.token_count])
+        matched = len(head) == self.parent.token_count and token_digest(head) == (
+            self.parent.token_digest
+        )
+        TRAJECTORY_LINKS.labels("token_prefix" if matched else "token_mismatch").inc()
+        return matched
+
+
+def token_digest(token_ids: Sequence[int]) -> str:
+    return hashlib.blake2b(orjson.dumps(list(token_ids)), digest_size=16).hexdigest()
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def canonical(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as histories are compared: role, text, tool calls without their ids."""
+    calls = [
+        {
+            "name": (call.get("function") or {}).get("name"),
+            "arguments": _arguments((call.get("function") or {}).get("arguments")),
+        }
+        for call in message.get("tool_calls") or ()
+        if isinstance(call, dict)
+    ]
+    return {"role": message.get("role"), "text": _text(message.get("content")), "calls": calls}
+
+
+def history_digest(messages: Sequence[dict[str, Any]]) -> str:
+    canonical_messages = [canonical(message) for message in messages]
+    encoded = orjson.dumps(canonical_messages, option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(encoded, digest_size=20).hexdigest()
+
+
+def _history_key(digest: str) -> str:
+    return f"rtrl:turn:h:{digest}"
+
+
+def _request_key(request_id: str) -> str:
+    return f"rtrl:turn:r:{request_id}"
+
+
+class Trajectories:
+    """Places completions in their runs, and remembers them for the runs' next turns."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    async def place(
+        self, request_id: str, messages: Sequence[dict[str, Any]], parent_request_id: str | None
+    ) -> Placement:
+        """The run a new request continues (an explicit parent wins), or a new one."""
+        try:
+            parent = await self._parent(messages, parent_request_id)
+        except RedisError:
+            log.warning("request %s not linked to its run: Redis unavailable", request_id)
+            TRAJECTORY_LINKS.labels("unavailable").inc()
+            parent = None
+        if parent is not None:
+            TRAJECTORY_LINKS.labels("continued").inc()
+            return Placement(parent.trajectory_id, parent.turn_index + 1, parent)
+        if any(message.get("role") == "assistant" for message in messages):
+            TRAJECTORY_LINKS.labels("new_segment").inc()  # history edited, compacted, or old
+        else:
+            TRAJECTORY_LINKS.labels("new_run").inc()
+        return Placement(request_id, 0, None)
+
+    async def _parent(
+        self, messages: Sequence[dict[str, Any]], parent_request_id: str | None
+    ) -> Turn | None:
+        if parent_request_id is not None:
+            raw = await self.redis.get(_request_key(parent_request_id))
+            return Turn.decode(raw) if raw else None
+        cuts = [i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not cuts:
+            return None
+        keys = [_history_key(history_digest(messages[:cut])) for cut in reversed(cuts)]
+        for raw in await self.redis.mget(keys):
+            if raw:
+                return Turn.decode(raw)
+        return None
+
+    async def remember(
+        self, turn: Turn, messages: Sequence[dict[str, Any]], answer: dict[str, Any]
+    ) -> None:
+        """Let the run's next turn find this completion, by history and by request id."""
+        encoded = turn.encode()
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(_history_key(history_digest([*messages, answer])), encoded, ex=TURN_TTL_S)
+                pipe.set(_request_key(turn.request_id), encoded, ex=TURN_TTL_S)
+                await pipe.execute()
+        except RedisError:
+            log.warning("turn %s not remembered: Redis unavailable", turn.request_id)

@@ -162,14 +162,10 @@ async def readyz(request: Request) -> JSONResponse:
     checks = dict(zip(("database", "redis", "vllm"), results, strict=True))
     # Events are safe while either Kafka takes them or the spool can hold them.
     checks["events"] = sink.kafka_connected or os.access(sink.disk.directory, os.W_OK)
-    checks["running"] = not state.shutdown.started
-    ready = all(checks.values())
+    stopping = state.shutdown.started
+    ready = all(checks.values()) and not stopping
     body = {
-        "status": "ready"
-        if ready
-        else "shutting_down"
-        if state.shutdown.started
-        else "unavailable",
+        "status": "shutting_down" if stopping else "ready" if ready else "unavailable",
         "checks": checks,
         "failing": [name for name, ok in checks.items() if not ok],
         "kafka_connected": sink.kafka_connected,

@@ -14,9 +14,13 @@ Inverting it gives the always-valid confidence sequence
 theta_hat +- sqrt(V (V + tau^2) / tau^2 * (2 log(1/alpha) + log((V + tau^2) / V))).
 Reference: Johari, Koomen, Pekelis & Walsh, "Always Valid Inference: Continuous Monitoring
 of A/B Tests", Operations Research 70(3), 2022 (normal-mixture mSPRT, difference of means
-under the CLT). No maintained Python library implements it for summary statistics, hence
-these few lines. A canary is rolled back when the sequence lies wholly on the harmful side
-for any guardrail; alpha is split evenly across the guardrails (Bonferroni).
+under the CLT). The unit is the user, as in the results: each guardrail is a ratio metric
+over users, and V is the delta-method variance of the difference (`app.abtest.stats`), not
+a binomial variance over requests, which would treat one user's many requests as
+independent and raise false alarms. No maintained Python library implements the mSPRT for
+summary statistics, hence these few lines. A canary is rolled back when the sequence lies
+wholly on the harmful side for any guardrail; alpha is split evenly across the guardrails
+(Bonferroni).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from pydantic import BaseModel
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from app.abtest.repository import ArmSummary, arm_summaries_sync
+from app.abtest.repository import ArmSummary, arm_reads, arm_summaries_sync
 from app.abtest.rollups import refresh_rollups
+from app.abtest.stats import ratio_estimate
 from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
 from app.registry.audit import Actor
 from app.registry.checkpoints import rollback_canary
@@ -47,17 +52,17 @@ class Guardrail:
     """One metric where higher is worse, and the effect size its test is tuned to."""
 
     metric: str
-    kind: str  # "proportion" or "mean"
     tau: float
     """Standard deviation of the mixing distribution: the size of harm worth detecting."""
     min_observations: int = 100
+    min_users: int = 20
 
 
 GUARDRAILS = (
-    Guardrail("dissatisfied_rate", "proportion", tau=0.02),
-    Guardrail("latency_mean_ms", "mean", tau=100.0),
-    Guardrail("malformed_call_rate", "proportion", tau=0.01),
-    Guardrail("error_rate", "proportion", tau=0.01),
+    Guardrail("dissatisfied_rate", tau=0.02),
+    Guardrail("latency_mean_ms", tau=100.0),
+    Guardrail("malformed_call_rate", tau=0.01),
+    Guardrail("error_rate", tau=0.01),
 )
 
 
@@ -70,6 +75,8 @@ class GuardrailDecision(BaseModel):
     control_value: float | None
     canary_observations: int
     control_observations: int
+    canary_users: int
+    control_users: int
     difference: float | None
     ci_low: float | None
     """Always-valid confidence sequence of the difference at 1 - alpha."""
@@ -83,22 +90,18 @@ class GuardrailDecision(BaseModel):
 class Estimate:
     value: float | None
     variance: float | None
-    """Variance of the estimate (not of the observations)."""
+    """Variance of the estimate over users (not of the observations)."""
     observations: int
+    users: int
 
 
 def estimate(summary: ArmSummary, guardrail: Guardrail) -> Estimate:
-    """A guardrail metric of one arm and the variance of its estimate."""
-    if guardrail.kind == "proportion":
-        successes, n = summary.proportion(guardrail.metric)
-        if n == 0:
-            return Estimate(None, None, 0)
-        rate = successes / n
-        return Estimate(rate, rate * (1 - rate) / n, n)
-    mean, variance, n = summary.mean(guardrail.metric)
-    if mean is None or variance is None:
-        return Estimate(mean, None, n)
-    return Estimate(mean, variance / n, n)
+    """A guardrail metric of one arm and the delta-method variance of its estimate."""
+    numerator, denominator = summary.ratio(guardrail.metric)
+    value = numerator / denominator if denominator else None
+    ratio = ratio_estimate(summary.moments, guardrail.metric)
+    variance = float(ratio.covariance[0, 0]) if ratio is not None else None
+    return Estimate(value, variance, int(denominator), summary.users)
 
 
 def confidence_sequence(
@@ -122,7 +125,10 @@ def decide(
     if treated.value is None or baseline.value is None:
         return treated, baseline, None, None, False
     difference = treated.value - baseline.value
-    enough = min(treated.observations, baseline.observations) >= guardrail.min_observations
+    enough = (
+        min(treated.observations, baseline.observations) >= guardrail.min_observations
+        and min(treated.users, baseline.users) >= guardrail.min_users
+    )
     variance = (treated.variance or 0.0) + (baseline.variance or 0.0)
     if not enough or variance <= 0:
         return treated, baseline, difference, None, False
@@ -157,7 +163,8 @@ def check_guardrails_in(session: Session, *, rollback: bool = False) -> list[Gua
         ]
         if control_arm is None or not canaries:
             continue
-        summaries = {s.arm: s for s in arm_summaries_sync(session, experiment_id, None, None)}
+        reads = arm_reads(experiment_id, None, None)
+        summaries = {s.arm: s for s in arm_summaries_sync(session, reads)}
         control = summaries.get(control_arm)
         for arm, checkpoint in canaries:
             canary = summaries.get(arm)
@@ -200,6 +207,8 @@ def _decision(
         control_value=baseline.value,
         canary_observations=treated.observations,
         control_observations=baseline.observations,
+        canary_users=treated.users,
+        control_users=baseline.users,
         difference=difference,
         ci_low=interval[0] if interval else None,
         ci_high=interval[1] if interval else None,

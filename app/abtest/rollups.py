@@ -1,15 +1,21 @@
-"""The analytics rollups: hours of samples summed once, so results read hundreds of rows.
+"""The analytics rollups: samples and rewards summed once, so results read a few rows per user.
 
-Aggregating a million raw samples (a wide table joined with its rewards, sorted for
-percentiles and distinct users) takes seconds; the results endpoint has half a second.
-`refresh_rollups` therefore rebuilds, per hour of `served_at`, the sums of every metric
-(`hourly_rollups`), and records the users seen per arm (`experiment_users`) and per arm and
-day (`experiment_user_days`, for windows), but only for the hours whose samples arrived or
-whose rewards changed since the previous refresh.
+Aggregating a million raw samples (a wide table joined with its rewards) takes seconds; the
+results endpoint has half a second. `refresh_rollups` therefore keeps running sums, and adds
+to them only what changed since its last refresh: the samples written since (their requests,
+errors, latency, ...) and, for every reward finalized or changed since, its new part minus
+the part counted before (kept in `rolled_up_rewards`). Its cost follows the rate of new
+data, not the size of the hour or the experiment, so results stay fast while samples pour in.
 
-Latency percentiles come from log-bucketed histograms (buckets 2% wide, the relative-error
-idea of DDSketch, Masson et al., VLDB 2019), which add across hours; a percentile read from
-them is within 1% of the exact one.
+The sums are kept per unit the readers need:
+- `experiment_users`: per experiment, arm and user over the whole experiment (with the
+  user's first request in the arm): the unit of analysis (see `app.abtest.stats`);
+- `experiment_user_days`: the same per UTC day, for results over a window of days;
+- `user_days`: per user and day over all traffic, the pre-experiment values for CUPED;
+- `hourly_rollups`: per checkpoint and hour, the trends;
+- `experiment_latency` (2%-wide log buckets, the relative-error idea of DDSketch, Masson et
+  al., VLDB 2019: a percentile read from them is within 1% of the exact one) and
+  `experiment_latency_groups` (10%-wide buckets per group of users), per arm and day.
 """
 
 from __future__ import annotations
@@ -17,131 +23,189 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-from sqlalchemy import BindParameter, Connection, Engine, bindparam, text
-from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.types import DateTime
+from sqlalchemy import Connection, Engine, text
+
+from app.models.rollup import SUMMED
 
 ROLLUP = "analytics"
 BUCKET_GROWTH = 1.02
 """Consecutive latency buckets differ by this factor: 2% wide, at most 1% from any value."""
-WRITER_MARGIN = timedelta(minutes=2)
-"""Rows stamped this long before a refresh may still be uncommitted when it reads."""
+GROUP_BUCKET = 5
+"""A user group's latency bucket spans this many 2% buckets (10% wide)."""
+USER_GROUPS = 64
+"""Users are hashed into this many groups for the clustered standard error of percentiles."""
+IDLE_GRACE = timedelta(minutes=1)
+"""A transaction that has written nothing yet and is older than this will not write rows."""
 LONGEST_LOOKBACK = timedelta(hours=6)
 """A transaction open longer than this cannot hold the watermark back further."""
 MAX_AGE = timedelta(seconds=30)
 """Results refresh the rollups first when they are older than this."""
 REFRESH_LOCK = {"namespace": 0x7274726C, "key": -3}
 
-_HOUR = "date_trunc('hour', s.served_at, 'UTC')"
-
-_REBUILD_HOURS = f"""
-WITH by_bucket AS (
-    SELECT {_HOUR} AS hour, s.checkpoint, s.experiment_id, s.arm,
-           floor(ln(greatest(s.latency_ms, 1.0)) / ln({BUCKET_GROWTH}))::int AS bucket,
-           count(*) AS requests,
-           count(*) FILTER (WHERE s.fallback) AS fallback_requests,
-           count(*) FILTER (WHERE s.status = 'error') AS errors,
-           count(*) FILTER (WHERE s.edit_requested) AS edits_requested,
-           count(*) FILTER (WHERE s.edit_requested AND s.proposed_edit) AS edits_proposed,
-           count(*) FILTER (WHERE s.tool_calls > 0) AS tool_call_responses,
-           count(*) FILTER (WHERE s.tool_calls > 0 AND s.malformed_tool_calls > 0)
-               AS malformed_responses,
-           count(r.sample_id) AS final_rewards,
-           count(*) FILTER (WHERE (r.components->>'latency_over_budget')::boolean) AS over_budget,
-           count((r.components->>'accepted')::boolean) AS accept_observed,
-           count(*) FILTER (WHERE (r.components->>'accepted')::boolean) AS accepted,
-           count((r.components->>'dissatisfied')::boolean) AS dissatisfied_observed,
-           count(*) FILTER (WHERE (r.components->>'dissatisfied')::boolean) AS dissatisfied,
-           count((r.components->>'kept')::float8) AS kept_n,
-           coalesce(sum((r.components->>'kept')::float8), 0) AS kept_sum,
-           coalesce(sum(((r.components->>'kept')::float8) ^ 2), 0) AS kept_sumsq,
-           count(r.reward) AS reward_n,
-           coalesce(sum(r.reward), 0) AS reward_sum,
-           coalesce(sum(r.reward ^ 2), 0) AS reward_sumsq,
-           sum(s.latency_ms) AS latency_sum,
-           sum(s.latency_ms ^ 2) AS latency_sumsq
-    FROM samples s
-    LEFT JOIN rewards r ON r.sample_id = s.id AND r.finalized_at IS NOT NULL
-    {{where}}
-    GROUP BY 1, 2, 3, 4, 5
+DERIVED_TABLES = (
+    "hourly_rollups",
+    "experiment_users",
+    "experiment_user_days",
+    "user_days",
+    "experiment_latency",
+    "experiment_latency_groups",
+    "rolled_up_rewards",
 )
-INSERT INTO hourly_rollups (
-    hour, checkpoint, experiment_id, arm, requests, fallback_requests, errors,
-    edits_requested, edits_proposed, tool_call_responses, malformed_responses, final_rewards,
-    over_budget, accept_observed, accepted, dissatisfied_observed, dissatisfied,
-    kept_n, kept_sum, kept_sumsq, reward_n, reward_sum, reward_sumsq,
-    latency_sum, latency_sumsq, latency_buckets, latency_counts
-)
-SELECT hour, checkpoint, experiment_id, arm,
-       sum(requests), sum(fallback_requests), sum(errors), sum(edits_requested),
-       sum(edits_proposed), sum(tool_call_responses), sum(malformed_responses),
-       sum(final_rewards), sum(over_budget), sum(accept_observed), sum(accepted),
-       sum(dissatisfied_observed), sum(dissatisfied),
-       sum(kept_n), sum(kept_sum), sum(kept_sumsq), sum(reward_n), sum(reward_sum),
-       sum(reward_sumsq), sum(latency_sum), sum(latency_sumsq),
-       array_agg(bucket ORDER BY bucket), array_agg(requests::int ORDER BY bucket)
-FROM by_bucket
-GROUP BY hour, checkpoint, experiment_id, arm
-"""
 
-_ADD_USER_DAYS = """
-INSERT INTO experiment_user_days (experiment_id, arm, day, user_hash)
-SELECT DISTINCT s.experiment_id, s.arm, (s.served_at AT TIME ZONE 'UTC')::date, s.user_hash
-FROM samples s
-WHERE s.experiment_id IS NOT NULL AND s.arm IS NOT NULL {where}
-ON CONFLICT DO NOTHING
-"""
-
-_CHANGED_HOURS = f"""
-SELECT {_HOUR} FROM samples s WHERE s.created_at >= :since
-UNION
-SELECT {_HOUR} FROM rewards r JOIN samples s ON s.id = r.sample_id WHERE r.updated_at >= :since
-"""
-
-# Rows stamped after this may not be visible yet: their transactions were still open.
+# Rows stamped (with their transaction's start) before this are committed: every
+# transaction still open started later, or is read-only and old (see IDLE_GRACE).
 _NEXT_WATERMARK = """
 SELECT greatest(
     least(
-        clock_timestamp() - :margin,
+        clock_timestamp(),
         (SELECT min(xact_start) FROM pg_stat_activity
-         WHERE backend_type = 'client backend' AND pid <> pg_backend_pid())
+         WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()
+           AND (backend_xid IS NOT NULL OR xact_start > clock_timestamp() - :idle_grace))
     ),
     clock_timestamp() - :lookback
 )
 """
 
-# The hours to rebuild: a range the block-range index narrows, then the exact hours.
-_IN_HOURS = f"""
-    AND s.served_at >= :first_hour AND s.served_at < :last_hour + interval '1 hour'
-    AND {_HOUR} = ANY(:hours)"""
-_hours = bindparam("hours", type_=ARRAY(DateTime(timezone=True)))
-_hour_params: list[BindParameter[Any]] = [
-    _hours,
-    bindparam("first_hour", type_=DateTime(timezone=True)),
-    bindparam("last_hour", type_=DateTime(timezone=True)),
-]
-REBUILD_ALL = text(_REBUILD_HOURS.format(where=""))
-REBUILD_HOURS = text(_REBUILD_HOURS.format(where="WHERE TRUE" + _IN_HOURS)).bindparams(
-    *_hour_params
+_BUCKET = f"floor(ln(greatest(s.latency_ms, 1.0)) / ln({BUCKET_GROWTH}))::int"
+_USER_GROUP = f"(('x' || substr(md5(s.user_hash), 1, 7))::bit(28)::int % {USER_GROUPS})"
+
+# One row per sample whose contribution changed: a new sample adds its request; a reward
+# finalized or changed since adds its part now minus the part counted before.
+_DELTA = f"""
+CREATE TEMP TABLE rollup_delta ON COMMIT DROP AS
+WITH touched AS (
+    SELECT id AS sample_id FROM samples WHERE created_at >= :since AND created_at < :until
+    UNION
+    SELECT sample_id FROM rewards WHERE updated_at >= :since AND updated_at < :until
+),
+now_counted AS (
+    SELECT r.sample_id,
+           (r.components->>'accepted')::boolean AS accepted,
+           (r.components->>'dissatisfied')::boolean AS dissatisfied,
+           coalesce((r.components->>'latency_over_budget')::boolean, false) AS over_budget,
+           (r.components->>'kept')::float8 AS kept,
+           r.reward
+    FROM touched t JOIN rewards r ON r.sample_id = t.sample_id AND r.finalized_at IS NOT NULL
+),
+parts AS (
+    SELECT s.id AS sample_id, s.served_at, s.checkpoint, s.experiment_id, s.arm, s.user_hash,
+           (s.created_at >= :since)::int AS fresh, s.fallback, s.status, s.edit_requested,
+           s.proposed_edit, s.tool_calls, s.malformed_tool_calls, s.latency_ms,
+           {_BUCKET} AS bucket, {_USER_GROUP} AS user_group,
+           c.sample_id IS NOT NULL AS now_final, c.accepted, c.dissatisfied, c.over_budget,
+           c.kept, c.reward,
+           l.sample_id IS NOT NULL AS was_final, l.accepted AS was_accepted,
+           l.dissatisfied AS was_dissatisfied, l.over_budget AS was_over_budget,
+           l.kept AS was_kept, l.reward AS was_reward
+    FROM touched t
+    JOIN samples s ON s.id = t.sample_id AND s.created_at < :until
+    LEFT JOIN now_counted c ON c.sample_id = t.sample_id
+    LEFT JOIN rolled_up_rewards l ON l.sample_id = t.sample_id
 )
-_ADD_USERS = """
-INSERT INTO experiment_users (experiment_id, arm, user_hash)
-SELECT DISTINCT s.experiment_id, s.arm, s.user_hash
-FROM samples s
-WHERE s.experiment_id IS NOT NULL AND s.arm IS NOT NULL {where}
-ON CONFLICT DO NOTHING
+SELECT sample_id, served_at, checkpoint, experiment_id, arm, user_hash, fresh, bucket,
+       user_group, now_final, accepted AS now_accepted, dissatisfied AS now_dissatisfied,
+       over_budget AS now_over_budget, kept AS now_kept, reward AS now_reward,
+       fresh AS requests,
+       fresh * fallback::int AS fallback_requests,
+       fresh * (status = 'error')::int AS errors,
+       fresh * edit_requested::int AS edits_requested,
+       fresh * (edit_requested AND proposed_edit)::int AS edits_proposed,
+       fresh * (tool_calls > 0)::int AS tool_call_responses,
+       fresh * (tool_calls > 0 AND malformed_tool_calls > 0)::int AS malformed_responses,
+       fresh * latency_ms AS latency_sum,
+       fresh * latency_ms ^ 2 AS latency_sumsq,
+       now_final::int - was_final::int AS final_rewards,
+       coalesce(over_budget::int, 0) - coalesce(was_over_budget::int, 0) AS over_budget,
+       (accepted IS NOT NULL)::int - (was_accepted IS NOT NULL)::int AS accept_observed,
+       coalesce(accepted::int, 0) - coalesce(was_accepted::int, 0) AS accepted,
+       (dissatisfied IS NOT NULL)::int - (was_dissatisfied IS NOT NULL)::int
+           AS dissatisfied_observed,
+       coalesce(dissatisfied::int, 0) - coalesce(was_dissatisfied::int, 0) AS dissatisfied,
+       (kept IS NOT NULL)::int - (was_kept IS NOT NULL)::int AS kept_n,
+       coalesce(kept, 0) - coalesce(was_kept, 0) AS kept_sum,
+       coalesce(kept ^ 2, 0) - coalesce(was_kept ^ 2, 0) AS kept_sumsq,
+       (reward IS NOT NULL)::int - (was_reward IS NOT NULL)::int AS reward_n,
+       coalesce(reward, 0) - coalesce(was_reward, 0) AS reward_sum,
+       coalesce(reward ^ 2, 0) - coalesce(was_reward ^ 2, 0) AS reward_sumsq
+FROM parts
 """
-ADD_ALL_USER_DAYS = text(_ADD_USER_DAYS.format(where=""))
-ADD_USER_DAYS = text(_ADD_USER_DAYS.format(where=_IN_HOURS)).bindparams(*_hour_params)
-ADD_ALL_USERS = text(_ADD_USERS.format(where=""))
-ADD_USERS = text(_ADD_USERS.format(where=_IN_HOURS)).bindparams(*_hour_params)
-DELETE_HOURS = text("DELETE FROM hourly_rollups WHERE hour = ANY(:hours)").bindparams(_hours)
+
+_DAY = "(served_at AT TIME ZONE 'UTC')::date"
+_IN_EXPERIMENT = "experiment_id IS NOT NULL AND arm IS NOT NULL"
+
+
+def _add_sums(
+    table: str, keys: dict[str, str], where: str = "TRUE", *, first_served: bool = False
+) -> str:
+    """Add the delta's sums, grouped by `keys` (column: expression), into `table`."""
+    columns = [*keys, *SUMMED]
+    selected = [f"{expression} AS {name}" for name, expression in keys.items()]
+    selected += [f"sum({name})" for name in SUMMED]
+    updates = [f"{name} = {table}.{name} + excluded.{name}" for name in SUMMED]
+    if first_served:
+        columns.append("first_served_at")
+        selected.append("min(served_at)")
+        updates.append(
+            f"first_served_at = least({table}.first_served_at, excluded.first_served_at)"
+        )
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) SELECT {', '.join(selected)} "
+        f"FROM rollup_delta WHERE {where} "
+        f"GROUP BY {', '.join(str(i + 1) for i in range(len(keys)))} "
+        f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {', '.join(updates)}"
+    )
+
+
+def _add_counts(table: str, keys: dict[str, str]) -> str:
+    """Add the new samples' request counts, grouped by `keys`, into a histogram `table`."""
+    selected = ", ".join(f"{expression} AS {name}" for name, expression in keys.items())
+    return (
+        f"INSERT INTO {table} ({', '.join(keys)}, requests) SELECT {selected}, count(*) "
+        f"FROM rollup_delta WHERE fresh = 1 AND {_IN_EXPERIMENT} "
+        f"GROUP BY {', '.join(str(i + 1) for i in range(len(keys)))} "
+        f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET requests = {table}.requests + "
+        "excluded.requests"
+    )
+
+
+_EXPERIMENT_KEYS = {"experiment_id": "experiment_id", "arm": "arm"}
+APPLY_DELTA = (
+    _add_sums(
+        "hourly_rollups",
+        {"hour": "date_trunc('hour', served_at, 'UTC')", "checkpoint": "checkpoint"},
+    ),
+    _add_sums(
+        "experiment_users",
+        {**_EXPERIMENT_KEYS, "user_hash": "user_hash"},
+        _IN_EXPERIMENT,
+        first_served=True,
+    ),
+    _add_sums(
+        "experiment_user_days",
+        {**_EXPERIMENT_KEYS, "day": _DAY, "user_hash": "user_hash"},
+        _IN_EXPERIMENT,
+    ),
+    _add_sums("user_days", {"user_hash": "user_hash", "day": _DAY}),
+    _add_counts("experiment_latency", {**_EXPERIMENT_KEYS, "day": _DAY, "bucket": "bucket"}),
+    _add_counts(
+        "experiment_latency_groups",
+        {
+            **_EXPERIMENT_KEYS,
+            "day": _DAY,
+            "user_group": "user_group",
+            "bucket": f"floor(bucket::float8 / {GROUP_BUCKET})::int",
+        },
+    ),
+    "DELETE FROM rolled_up_rewards l USING rollup_delta d WHERE l.sample_id = d.sample_id",
+    "INSERT INTO rolled_up_rewards (sample_id, accepted, dissatisfied, over_budget, kept, reward) "
+    "SELECT sample_id, now_accepted, now_dissatisfied, now_over_budget, now_kept, now_reward "
+    "FROM rollup_delta WHERE now_final",
+)
 
 
 def refresh_rollups(bind: Engine | Connection) -> int | None:
-    """Rebuild the hours changed since the last refresh; the number rebuilt, None if busy.
+    """Add what changed since the last refresh; the number of samples touched, None if busy.
 
     Safe to call from several processes at once (one refreshes, the others return None)
     and as often as wanted: a call with nothing new costs two index lookups.
@@ -155,36 +219,32 @@ def refresh_rollups(bind: Engine | Connection) -> int | None:
     ).scalar_one()
     if not locked:
         return None
-    next_watermark = conn.execute(
-        text(_NEXT_WATERMARK), {"margin": WRITER_MARGIN, "lookback": LONGEST_LOOKBACK}
+    conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+    until = conn.execute(
+        text(_NEXT_WATERMARK), {"idle_grace": IDLE_GRACE, "lookback": LONGEST_LOOKBACK}
     ).scalar_one()
-    watermark = conn.execute(
+    since = conn.execute(
         text("SELECT watermark FROM rollup_state WHERE name = :name FOR UPDATE"), {"name": ROLLUP}
     ).scalar_one_or_none()
-    if watermark is None:
-        conn.execute(text("DELETE FROM hourly_rollups"))
-        conn.execute(REBUILD_ALL)
-        conn.execute(ADD_ALL_USER_DAYS)
-        conn.execute(ADD_ALL_USERS)
-        rebuilt = conn.execute(text("SELECT count(DISTINCT hour) FROM hourly_rollups")).scalar()
-    else:
-        hours = sorted(conn.execute(text(_CHANGED_HOURS), {"since": watermark}).scalars())
-        if hours:
-            in_hours = {"hours": hours, "first_hour": hours[0], "last_hour": hours[-1]}
-            conn.execute(DELETE_HOURS, {"hours": hours})
-            conn.execute(REBUILD_HOURS, in_hours)
-            conn.execute(ADD_USER_DAYS, in_hours)
-            conn.execute(ADD_USERS, in_hours)
-        rebuilt = len(hours)
+    if since is None:
+        conn.execute(text(f"TRUNCATE {', '.join(DERIVED_TABLES)}"))
+        since = datetime(1970, 1, 1, tzinfo=UTC)
+    conn.execute(text("DROP TABLE IF EXISTS pg_temp.rollup_delta"))
+    conn.execute(text(_DELTA), {"since": since, "until": until})
+    touched = conn.execute(text("SELECT count(*) FROM rollup_delta")).scalar_one()
+    if touched:
+        for statement in APPLY_DELTA:
+            conn.execute(text(statement))
+    conn.execute(text("DROP TABLE rollup_delta"))
     conn.execute(
         text(
             "INSERT INTO rollup_state (name, watermark, refreshed_at) "
             "VALUES (:name, :watermark, now()) ON CONFLICT (name) DO UPDATE "
             "SET watermark = excluded.watermark, refreshed_at = excluded.refreshed_at"
         ),
-        {"name": ROLLUP, "watermark": next_watermark},
+        {"name": ROLLUP, "watermark": until},
     )
-    return int(rebuilt or 0)
+    return int(touched)
 
 
 def rollup_age(conn: Connection) -> timedelta | None:
@@ -213,6 +273,19 @@ def latency_quantile(histogram: Sequence[tuple[int, int]], fraction: float) -> f
         below += count
     last_bucket = histogram[-1][0]
     return float(BUCKET_GROWTH ** (last_bucket + 1))
+
+
+def quantile_bucket(histogram: Sequence[tuple[int, int]], fraction: float) -> int | None:
+    """The bucket that holds the `fraction` quantile of a histogram, bucket ascending."""
+    total = sum(count for _, count in histogram)
+    if total == 0:
+        return None
+    below = 0
+    for bucket, count in histogram:
+        below += count
+        if below >= fraction * total:
+            return bucket
+    return histogram[-1][0]
 
 
 def bucket_of(latency_ms: float) -> int:

@@ -39,13 +39,18 @@ async def list_experiments(session: Session) -> list[ExperimentBrief]:
 
 @router.get("/experiments/{experiment_id}/results", response_model=ExperimentResults)
 async def experiment_results(
-    request: Request, experiment_id: ExperimentId, session: Session, time_window: TimeWindow
+    request: Request,
+    experiment_id: ExperimentId,
+    session: Session,
+    time_window: TimeWindow,
+    cuped: bool = False,
 ) -> ExperimentResults:
-    """Per-arm metrics, differences to control with 95% intervals and p-values, and SRM.
+    """Per-arm metrics, differences to control over users with 95% intervals and p-values,
+    and SRM; `cuped=true` adds each comparison adjusted for users' pre-experiment values.
 
     The window is widened to whole UTC days; the response names the one used.
     """
-    return await _results(request, session, experiment_id, time_window)
+    return await _results(request, session, experiment_id, time_window, cuped)
 
 
 @router.get("/experiments/{experiment_id}/results.csv", response_class=PlainTextResponse)
@@ -110,11 +115,15 @@ async def checkpoint_lineage(session: Session) -> list[LineageNode]:
 
 
 async def _results(
-    request: Request, session: AsyncSession, experiment_id: int, time_window: Window
+    request: Request,
+    session: AsyncSession,
+    experiment_id: int,
+    time_window: Window,
+    cuped: bool = False,
 ) -> ExperimentResults:
     await service.refresh_if_stale(request.app.state.session_maker)
     try:
-        return await service.experiment_results(session, experiment_id, time_window)
+        return await service.experiment_results(session, experiment_id, time_window, cuped)
     except service.ExperimentNotFound:
         raise _not_found(experiment_id) from None
 

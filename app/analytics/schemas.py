@@ -30,15 +30,20 @@ class Window(BaseModel):
 
 
 class VsControl(BaseModel):
-    """Treatment minus control; the interval is for the absolute difference."""
+    """Treatment minus control over users: the difference and the relative lift, each with
+    its 95% interval; the p-value tests both against no difference."""
 
     difference: float
     relative_difference: float | None
     ci_low: float | None
     ci_high: float | None
+    relative_ci_low: float | None = None
+    relative_ci_high: float | None = None
     p_value: float | None
     significant: bool
     """The interval excludes 0 (p < 0.05)."""
+    variance_reduction: float | None = None
+    """CUPED only: the share of the unadjusted difference's variance the adjustment removed."""
 
 
 class Metric(BaseModel):
@@ -46,6 +51,8 @@ class Metric(BaseModel):
     observations: int
     """How many samples the value is computed over (e.g. only those that got a follow-up)."""
     vs_control: VsControl | None = None
+    cuped: VsControl | None = None
+    """With `?cuped=true`: the comparison adjusted for each user's pre-experiment value."""
 
 
 class ArmResult(BaseModel):
@@ -54,6 +61,9 @@ class ArmResult(BaseModel):
     is_control: bool
     weight_bps: int | None
     users: int
+    """Users first exposed to this arm and seen in no other: the unit of analysis."""
+    switched_users: int
+    """Users first exposed to this arm and later seen in another: left out of the metrics."""
     requests: int
     fallback_requests: int
     """Requests of the arm that production answered because the arm's checkpoint was down."""
@@ -61,14 +71,18 @@ class ArmResult(BaseModel):
 
 
 class SampleRatioCheck(BaseModel):
-    """Users per arm against the arms' weights (chi-square); a mismatch voids the results."""
+    """Users per arm at first exposure against the weights then in force (chi-square over
+    the ramp periods); a mismatch voids the results."""
 
     chi_square: float | None
     p_value: float
     mismatch: bool
     threshold: float
     expected_share: dict[str, float]
+    """The current weights' shares."""
     observed_users: dict[str, int]
+    """Users by their first-exposure arm, switched users included."""
+    ramp_periods: int
 
 
 class ArmBrief(BaseModel):
@@ -93,6 +107,9 @@ class ExperimentResults(BaseModel):
     since: datetime | None
     until: datetime | None
     confidence_level: float
+    unit: Literal["user"] = "user"
+    """Intervals and p-values treat users, the unit of randomization, as independent."""
+    cuped: bool = False
     control_arm: str | None
     arms: list[ArmResult]
     sample_ratio: SampleRatioCheck | None

@@ -15,16 +15,20 @@ from sqlalchemy.orm import selectinload
 
 from app.abtest import stats
 from app.abtest.repository import (
-    MEANS,
-    PROPORTIONS,
+    RATIOS,
     SAMPLE_EXPORT_COLUMNS,
     ArmSummary,
     Bucket,
+    Moments,
+    WeightPeriod,
+    arm_reads,
     arm_summaries,
     sample_export_query,
     timeseries_query,
+    weight_history_query,
+    weight_periods,
 )
-from app.abtest.rollups import MAX_AGE, latency_quantile, refresh_rollups, rollup_age
+from app.abtest.rollups import MAX_AGE, refresh_rollups, rollup_age
 from app.analytics.schemas import (
     ArmBrief,
     ArmResult,
@@ -126,15 +130,27 @@ def _day_start(moment: datetime) -> datetime:
 
 
 async def experiment_results(
-    session: AsyncSession, experiment_id: int, window: Window
+    session: AsyncSession, experiment_id: int, window: Window, cuped: bool = False
 ) -> ExperimentResults:
-    """Per-arm metrics of an experiment over whole days, each compared with the control arm."""
+    """Per-arm metrics of an experiment over whole days, each compared with the control arm
+    over users; with `cuped`, also adjusted for each user's pre-experiment values."""
     briefs = await experiment_briefs(session, experiment_id)
     if not briefs:
         raise ExperimentNotFound(f"Experiment {experiment_id} does not exist.")
+    brief = briefs[0]
     days = whole_days(window)
-    summaries = await arm_summaries(session, experiment_id, days.since, days.until)
-    return build_results(briefs[0], summaries, days)
+    ramps = (await session.execute(weight_history_query(experiment_id))).all()
+    periods = weight_periods(ramps, {arm.name: arm.weight_bps for arm in brief.arms})
+    pre_until = brief.started_at.astimezone(UTC).date() if cuped and brief.started_at else None
+    reads = arm_reads(
+        experiment_id,
+        days.since.date() if days.since else None,
+        days.until.date() if days.until else None,
+        ramps=[period.start for period in periods if period.start is not None],
+        pre_until=pre_until,
+    )
+    summaries = await arm_summaries(session, reads)
+    return build_results(brief, summaries, days, periods, cuped=pre_until is not None)
 
 
 METRIC_KINDS: dict[str, MetricKind] = {
@@ -154,7 +170,11 @@ METRIC_KINDS: dict[str, MetricKind] = {
 
 
 def build_results(
-    experiment: ExperimentBrief, summaries: Sequence[ArmSummary], window: Window
+    experiment: ExperimentBrief,
+    summaries: Sequence[ArmSummary],
+    window: Window,
+    periods: Sequence[WeightPeriod] = (),
+    cuped: bool = False,
 ) -> ExperimentResults:
     """Results from per-arm summaries: values, comparisons with control, sample-ratio check."""
     arms = {arm.name: arm for arm in experiment.arms}
@@ -164,7 +184,7 @@ def build_results(
     control = by_arm.get(control_name) if control_name else None
     results = []
     for name in order:
-        summary = by_arm.get(name) or _empty_summary(name)
+        summary = by_arm.get(name) or ArmSummary(arm=name, moments=Moments())
         brief = arms.get(name)
         results.append(
             ArmResult(
@@ -173,71 +193,59 @@ def build_results(
                 is_control=name == control_name,
                 weight_bps=brief.weight_bps if brief else None,
                 users=summary.users,
+                switched_users=summary.switched_users,
                 requests=summary.requests,
                 fallback_requests=summary.fallback_requests,
-                metrics=arm_metrics(summary, None if name == control_name else control),
+                metrics=arm_metrics(summary, None if name == control_name else control, cuped),
             )
         )
+    current = {arm.name: arm.weight_bps for arm in experiment.arms}
     return ExperimentResults(
         experiment=experiment,
         since=window.since,
         until=window.until,
         confidence_level=stats.CONFIDENCE,
+        cuped=cuped,
         control_arm=control_name,
         arms=results,
-        sample_ratio=_sample_ratio(experiment.arms, by_arm),
+        sample_ratio=_sample_ratio(
+            experiment.arms, by_arm, periods or [WeightPeriod(None, current)]
+        ),
         metric_kinds=METRIC_KINDS,
     )
 
 
-def _empty_summary(arm: str) -> ArmSummary:
-    return ArmSummary(arm=arm, users=0, sums={}, latency_histogram=[])
-
-
-def arm_metrics(summary: ArmSummary, control: ArmSummary | None) -> dict[str, Metric]:
+def arm_metrics(
+    summary: ArmSummary, control: ArmSummary | None, cuped: bool = False
+) -> dict[str, Metric]:
     """Each metric of one arm, with its comparison to control when there is a control."""
     metrics: dict[str, Metric] = {}
-    for name in PROPORTIONS:
-        successes, observations = summary.proportion(name)
-        comparison = None
+    for name in RATIOS:
+        numerator, denominator = summary.ratio(name)
+        versus = adjusted = None
         if control is not None:
-            comparison = stats.compare_proportions(
-                successes, observations, *control.proportion(name)
-            )
+            versus = _vs(stats.compare_metric(summary, control, name))
+            if cuped:
+                adjusted = _vs(stats.compare_metric(summary, control, name, cuped=True))
         metrics[name] = Metric(
-            value=successes / observations if observations else None,
-            observations=observations,
-            vs_control=_vs(comparison),
+            value=numerator / denominator if denominator else None,
+            observations=int(denominator),
+            vs_control=versus,
+            cuped=adjusted,
         )
-    for name in MEANS:
-        mean, variance, n = summary.mean(name)
-        comparison = None
-        if control is not None:
-            comparison = stats.compare_means(mean, variance, n, *control.mean(name))
-        metrics[name] = Metric(value=mean, observations=n, vs_control=_vs(comparison))
     for name, (fraction, bandwidth) in QUANTILES.items():
-        value, se = _quantile(summary, fraction, bandwidth)
+        estimate = stats.quantile_estimate(summary, fraction, bandwidth)
         comparison = None
         if control is not None:
             comparison = stats.compare_quantiles(
-                value, se, *_quantile(control, fraction, bandwidth)
+                estimate, stats.quantile_estimate(control, fraction, bandwidth)
             )
         metrics[name] = Metric(
-            value=value, observations=summary.requests, vs_control=_vs(comparison)
+            value=estimate.value if estimate else None,
+            observations=sum(count for _, count in summary.latency_histogram),
+            vs_control=_vs(comparison),
         )
     return metrics
-
-
-def _quantile(
-    summary: ArmSummary, fraction: float, bandwidth: float
-) -> tuple[float | None, float | None]:
-    histogram = summary.latency_histogram
-    value = latency_quantile(histogram, fraction)
-    lower = latency_quantile(histogram, fraction - bandwidth)
-    upper = latency_quantile(histogram, fraction + bandwidth)
-    if value is None or lower is None or upper is None:
-        return value, None
-    return value, stats.quantile_standard_error(lower, upper, fraction, bandwidth, summary.requests)
 
 
 def _vs(comparison: stats.Comparison | None) -> VsControl | None:
@@ -253,27 +261,39 @@ def _vs(comparison: stats.Comparison | None) -> VsControl | None:
         relative_difference=comparison.relative_difference,
         ci_low=comparison.ci_low,
         ci_high=comparison.ci_high,
+        relative_ci_low=comparison.relative_ci_low,
+        relative_ci_high=comparison.relative_ci_high,
         p_value=comparison.p_value,
         significant=significant,
+        variance_reduction=comparison.variance_reduction,
     )
 
 
 def _sample_ratio(
-    arms: Sequence[ArmBrief], by_arm: dict[str, ArmSummary]
+    arms: Sequence[ArmBrief], by_arm: dict[str, ArmSummary], periods: Sequence[WeightPeriod]
 ) -> SampleRatioCheck | None:
-    users = [by_arm[arm.name].users if arm.name in by_arm else 0 for arm in arms]
-    weights = [arm.weight_bps for arm in arms]
-    check = stats.sample_ratio_mismatch(users, weights)
+    names = [arm.name for arm in arms]
+    per_period = [
+        (
+            [by_arm[n].first_exposures.get(index, 0) if n in by_arm else 0 for n in names],
+            [period.weights.get(n, 0) for n in names],
+        )
+        for index, period in enumerate(periods)
+    ]
+    check = stats.sample_ratio_mismatch(per_period)
     if check is None:
         return None
-    total_weight = sum(weights)
+    total_weight = sum(arm.weight_bps for arm in arms) or 1
     return SampleRatioCheck(
         chi_square=check.chi_square if math.isfinite(check.chi_square) else None,
         p_value=check.p_value,
         mismatch=check.mismatch,
         threshold=stats.SRM_ALPHA,
         expected_share={arm.name: arm.weight_bps / total_weight for arm in arms},
-        observed_users={arm.name: n for arm, n in zip(arms, users, strict=True)},
+        observed_users={
+            n: sum(by_arm[n].first_exposures.values()) if n in by_arm else 0 for n in names
+        },
+        ramp_periods=len(periods),
     )
 
 
@@ -343,12 +363,13 @@ def results_csv(results: ExperimentResults) -> str:
     """The per-arm table as CSV: one row per arm, seven columns per metric."""
     metric_names = list(results.metric_kinds)
     header = ["experiment_id", "arm", "checkpoint", "is_control", "weight_bps", "users"]
-    header += ["requests", "fallback_requests"]
+    header += ["switched_users", "requests", "fallback_requests"]
     header += [f"{metric}_{field}" for metric in metric_names for field in RESULT_CSV_FIELDS]
     rows: list[list[Any]] = []
     for arm in results.arms:
         row: list[Any] = [results.experiment.id, arm.arm, arm.checkpoint, arm.is_control]
-        row += [arm.weight_bps, arm.users, arm.requests, arm.fallback_requests]
+        row += [arm.weight_bps, arm.users, arm.switched_users, arm.requests]
+        row += [arm.fallback_requests]
         for metric_name in metric_names:
             metric = arm.metrics.get(metric_name)
             vs = metric.vs_control if metric else None

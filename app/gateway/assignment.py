@@ -1,7 +1,9 @@
 """A/B assignment: which checkpoint answers a user, from the running experiment's arms.
 
 Buckets are GrowthBook's v2 hash of the experiment's salt and the user's hash, so every
-gateway replica puts a user in the same arm with no coordination. The routing table is
+gateway replica puts a user in the same arm with no coordination; arms hold the bucket ranges
+`app.registry.buckets` lays out, so a ramp moves users only from control into the growing
+treatment. The routing table is
 read from Postgres, cached, reloaded when a `rtrl:routing` message arrives through Redis
 and every `refresh_s` seconds as a safety net.
 """
@@ -22,14 +24,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import selectinload
 
 from app.models import Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
+from app.registry.buckets import BUCKETS, ArmWeight, Ranges, arm_ranges
 from app.registry.routing import ROUTING_CHANNEL
 from app.serving.checkpoints import BASE_CHECKPOINT
 
 log = logging.getLogger(__name__)
 
 CHAT_ROUTE = "chat"
-BUCKETS = 10_000
-"""Buckets are basis points, like arm weights."""
 
 _FNV_OFFSET = 0x811C9DC5
 _FNV_PRIME = 0x01000193
@@ -57,8 +58,8 @@ def hash_user(secret: str, user_id: str) -> str:
 class ArmRoute:
     name: str
     checkpoint: str
-    upper_bps: int
-    """Exclusive upper end of the arm's bucket range; arms are laid out in id order."""
+    ranges: Ranges
+    """The arm's buckets, [low, high) ranges (see `app.registry.buckets`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,7 @@ class ExperimentRoute:
         """The arm whose bucket range holds the user, or None in the unallocated rest."""
         bucket = bucket_bps(self.salt, user_hash)
         for arm in self.arms:
-            if bucket < arm.upper_bps:
+            if any(low <= bucket < high for low, high in arm.ranges):
                 return arm
         return None
 
@@ -129,11 +130,14 @@ async def load_routing_table(session: AsyncSession, route: str = CHAT_ROUTE) -> 
             )
         )
         checkpoint_names = {row.id: row.name for row in rows}
-        arms, upper = [], 0
-        for arm in experiment.arms:
-            upper = min(upper + arm.weight_bps, BUCKETS)
-            arms.append(ArmRoute(arm.name, checkpoint_names[arm.checkpoint_id], upper))
-        experiment_route = ExperimentRoute(experiment.id, experiment.salt, tuple(arms))
+        ranges = arm_ranges(
+            [ArmWeight(arm.name, arm.weight_bps, arm.is_control) for arm in experiment.arms]
+        )
+        arms = tuple(
+            ArmRoute(arm.name, checkpoint_names[arm.checkpoint_id], ranges[arm.name])
+            for arm in experiment.arms
+        )
+        experiment_route = ExperimentRoute(experiment.id, experiment.salt, arms)
     return RoutingTable(production=production or BASE_CHECKPOINT, experiment=experiment_route)
 
 

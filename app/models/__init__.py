@@ -7,7 +7,16 @@ from app.models.checkpoint import LIVE_STATUSES, Checkpoint, CheckpointStatus
 from app.models.experiment import Arm, Experiment, ExperimentStatus
 from app.models.feedback import FeedbackEventRow, FeedbackKind
 from app.models.reward import Reward
-from app.models.rollup import ExperimentUser, ExperimentUserDay, HourlyRollup, RollupState
+from app.models.rollup import (
+    ExperimentLatency,
+    ExperimentLatencyGroup,
+    ExperimentUser,
+    ExperimentUserDay,
+    HourlyRollup,
+    RolledUpReward,
+    RollupState,
+    UserDay,
+)
 from app.models.sample import Sample
 from app.models.training_run import (
     CycleTrigger,
@@ -28,6 +37,8 @@ __all__ = [
     "ControlFlag",
     "CycleTrigger",
     "Experiment",
+    "ExperimentLatency",
+    "ExperimentLatencyGroup",
     "ExperimentStatus",
     "ExperimentUser",
     "ExperimentUserDay",
@@ -36,9 +47,11 @@ __all__ = [
     "HourlyRollup",
     "Reward",
     "Role",
+    "RolledUpReward",
     "RollupState",
     "Sample",
     "TrainingRun",
     "TrainingRunStatus",
     "TrainingSchedule",
+    "UserDay",
 ]

@@ -26,6 +26,7 @@ from app.models import (
     ExperimentStatus,
 )
 from app.registry.audit import Actor, RegistryError, audit
+from app.registry.buckets import ArmWeight, check_layout, check_ramp
 from app.registry.checkpoints import OPEN_EXPERIMENTS, checkpoint_names
 from app.registry.routing import lock_routing
 from app.registry.schemas import ExperimentCreate
@@ -239,6 +240,7 @@ def create_experiment(session: Session, spec: ExperimentCreate, actor: Actor) ->
             422, "one_control_arm", "Exactly one arm must be the control.", param="arms"
         )
     _check_weights({arm.name: arm.weight_bps for arm in spec.arms})
+    check_layout([ArmWeight(arm.name, arm.weight_bps, arm.is_control) for arm in spec.arms])
     checkpoints = {
         row.name: row.id
         for row in session.execute(
@@ -355,6 +357,10 @@ def ramp_experiment(
             param="weights",
         )
     _check_weights(weights)
+    ramped = [ArmWeight(name, weights[name], arm.is_control) for name, arm in arms.items()]
+    check_layout(ramped)
+    if experiment.status == ExperimentStatus.running:
+        check_ramp({name: arm.weight_bps for name, arm in arms.items()}, ramped)
     names = checkpoint_names(session, [arm.checkpoint_id for arm in experiment.arms])
     before = experiment_state(experiment, names)
     for name, weight in weights.items():

@@ -24,7 +24,8 @@ make_key = app_fixtures.make_key
 
 REGISTRY_TABLES = (
     "arms, experiments, training_runs, checkpoints, audit_log, control_flags, alerts, "
-    "samples, rewards, hourly_rollups, experiment_users, experiment_user_days, rollup_state"
+    "samples, rewards, hourly_rollups, experiment_users, experiment_user_days, user_days, "
+    "experiment_latency, experiment_latency_groups, rolled_up_rewards, rollup_state"
 )
 
 

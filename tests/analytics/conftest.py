@@ -43,7 +43,13 @@ class Behaviour:
 
     users: int
     requests_per_user: int = 8
+    most_requests_per_user: int | None = None
+    """With a value: each user makes between `requests_per_user` and this many requests."""
     accept: float = 0.4
+    accept_concentration: float | None = None
+    """With a value: each user accepts at their own rate, Beta(accept c, (1 - accept) c)."""
+    pre_requests_per_user: int = 0
+    """Requests each user made in the week before the experiment (no experiment, no arm)."""
     dissatisfied: float = 0.1
     malformed: float = 0.05
     error: float = 0.01
@@ -109,11 +115,37 @@ def seed_experiment(
 
 def _arm_rows(rng: np.random.Generator, experiment_id: int, arm: SeededArm) -> pd.DataFrame:
     b = arm.behaviour
-    n = b.users * b.requests_per_user
-    users = np.repeat(
-        [f"{experiment_id}-{arm.name}-{u}" for u in range(b.users)], b.requests_per_user
-    )
-    accepted = rng.random(n) < b.accept
+    most = b.most_requests_per_user or b.requests_per_user
+    counts = rng.integers(b.requests_per_user, most + 1, b.users)
+    names = [f"{experiment_id}-{arm.name}-{u}" for u in range(b.users)]
+    propensity = np.full(b.users, b.accept)
+    if b.accept_concentration is not None:
+        c = b.accept_concentration
+        propensity = rng.beta(b.accept * c, (1 - b.accept) * c, b.users)
+    frame = _rows(rng, np.repeat(names, counts), np.repeat(propensity, counts), b, DAYS * 86_400)
+    frame["arm"], frame["checkpoint"] = arm.name, arm.checkpoint
+    frame["experiment_id"] = experiment_id
+    frame["served_at"] = [day_zero() + timedelta(seconds=float(s)) for s in frame.offset_s]
+    if not b.pre_requests_per_user:
+        return frame
+    pre_users = np.repeat(names, b.pre_requests_per_user)
+    pre = _rows(rng, pre_users, np.repeat(propensity, b.pre_requests_per_user), b, 7 * 86_400)
+    pre["arm"], pre["checkpoint"], pre["experiment_id"] = None, f"{arm.checkpoint}-pre", None
+    pre["served_at"] = [
+        day_zero() - timedelta(days=7) + timedelta(seconds=float(s)) for s in pre.offset_s
+    ]
+    return pd.concat([frame, pre], ignore_index=True)
+
+
+def _rows(
+    rng: np.random.Generator,
+    users: np.ndarray,
+    propensity: np.ndarray,
+    b: Behaviour,
+    span_s: float,
+) -> pd.DataFrame:
+    n = len(users)
+    accepted = rng.random(n) < propensity
     kept = np.where(accepted, rng.beta(4, 2, n), 0.0)
     followed_up = rng.random(n) < 0.5
     dissatisfied = np.where(followed_up, rng.random(n) < b.dissatisfied, None)
@@ -121,12 +153,9 @@ def _arm_rows(rng: np.random.Generator, experiment_id: int, arm: SeededArm) -> p
     malformed = tool_calls * (rng.random(n) < b.malformed)
     errors = rng.random(n) < b.error
     latency = rng.lognormal(np.log(b.latency_median_ms), 0.5, n)
-    served_at = [day_zero() + timedelta(seconds=float(s)) for s in rng.uniform(0, DAYS * 86_400, n)]
     reward = kept - 0.5 * (dissatisfied == True) - 0.2 * (latency > LATENCY_BUDGET_MS)  # noqa: E712
     return pd.DataFrame(
         {
-            "arm": arm.name,
-            "checkpoint": arm.checkpoint,
             "user_hash": users,
             "accepted": accepted,
             "kept": kept,
@@ -135,9 +164,8 @@ def _arm_rows(rng: np.random.Generator, experiment_id: int, arm: SeededArm) -> p
             "malformed_tool_calls": malformed,
             "status": np.where(errors, "error", "ok"),
             "latency_ms": latency,
-            "served_at": served_at,
+            "offset_s": rng.uniform(0, span_s, n),
             "reward": reward,
-            "experiment_id": experiment_id,
         }
     )
 
@@ -153,7 +181,7 @@ def _insert(engine: Engine, rows: pd.DataFrame) -> None:
                 "session_id": f"s-{row.user_hash}",
                 "user_hash": row.user_hash,
                 "checkpoint": row.checkpoint,
-                "experiment_id": row.experiment_id,
+                "experiment_id": None if pd.isna(row.experiment_id) else int(row.experiment_id),
                 "arm": row.arm,
                 "privacy": False,
                 "trainable": True,

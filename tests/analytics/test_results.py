@@ -1,5 +1,6 @@
-"""`/analytics/*` results: differences, intervals and p-values checked against scipy/numpy
-computed here from the raw seeded rows, the sample-ratio check, trends, exports, filters."""
+"""`/analytics/*` results: differences, intervals and p-values over users checked against
+statsmodels' user-clustered estimates and a user bootstrap computed here from the raw seeded
+rows, switched users, CUPED, the sample-ratio check over ramps, trends, exports, filters."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+import statsmodels.api as sm
 from fastapi.testclient import TestClient
 from scipy import stats
 from sqlalchemy import Engine
@@ -24,15 +26,17 @@ Seeder = Callable[..., tuple[int, pd.DataFrame]]
 
 @pytest.fixture(scope="module")
 def known_effect(seeder: Seeder, app_engine: Engine) -> tuple[int, pd.DataFrame]:
-    """50/50: the treatment is accepted more (0.46 vs 0.40) and is 20% slower."""
+    """50/50: the treatment is accepted more (0.52 vs 0.40) and is 20% slower; users differ
+    (each accepts at their own rate) and make 4 to 16 requests."""
+    users = {"requests_per_user": 4, "most_requests_per_user": 16, "accept_concentration": 4.0}
     seeded = seeder(
         [
-            SeededArm("control", "base-ke", 5_000, Behaviour(users=400), is_control=True),
+            SeededArm("control", "base-ke", 5_000, Behaviour(400, **users), is_control=True),
             SeededArm(
                 "treatment",
                 "ckpt-ke",
                 5_000,
-                Behaviour(users=400, accept=0.46, latency_median_ms=720.0),
+                Behaviour(400, **users, accept=0.52, latency_median_ms=720.0),
             ),
         ],
         seed=11,
@@ -41,12 +45,26 @@ def known_effect(seeder: Seeder, app_engine: Engine) -> tuple[int, pd.DataFrame]
     return seeded
 
 
-def agresti_caffo(x1: int, n1: int, x2: int, n2: int) -> tuple[float, float, float]:
-    """Interval and two-sided p-value of p1 - p2, by the textbook formula."""
-    p1, p2 = (x1 + 1) / (n1 + 2), (x2 + 1) / (n2 + 2)
-    se = np.sqrt(p1 * (1 - p1) / (n1 + 2) + p2 * (1 - p2) / (n2 + 2))
-    z = stats.norm.ppf(0.975)
-    return p1 - p2 - z * se, p1 - p2 + z * se, 2 * stats.norm.sf(abs(p1 - p2) / se)
+def clustered_mean(values: pd.Series, users: pd.Series) -> tuple[float, float]:
+    """Mean over requests and its variance clustered by user: an intercept-only OLS with
+    statsmodels' cluster-robust covariance (its small-sample factor is K / (K - 1))."""
+    codes = pd.factorize(users)[0]
+    fit = sm.OLS(values.astype(float).to_numpy(), np.ones(len(values))).fit(
+        cov_type="cluster", cov_kwds={"groups": codes}
+    )
+    return float(fit.params[0]), float(fit.cov_params()[0, 0])
+
+
+def welch_interval(
+    treated: tuple[float, float, int], baseline: tuple[float, float, int]
+) -> tuple[float, float, float]:
+    """Interval and p-value of a difference of two independent estimates (value, variance,
+    users) with Welch–Satterthwaite degrees of freedom."""
+    (m1, v1, k1), (m2, v2, k2) = treated, baseline
+    dof = (v1 + v2) ** 2 / (v1**2 / (k1 - 1) + v2**2 / (k2 - 1))
+    se = np.sqrt(v1 + v2)
+    margin = stats.t.ppf(0.975, dof) * se
+    return m1 - m2 - margin, m1 - m2 + margin, 2 * stats.t.sf(abs(m1 - m2) / se, dof)
 
 
 def results(client: TestClient, experiment_id: int, headers: dict[str, Any], **params: str) -> Any:
@@ -57,54 +75,47 @@ def results(client: TestClient, experiment_id: int, headers: dict[str, Any], **p
     return response.json()
 
 
-def test_differences_intervals_and_p_values_match_an_independent_computation(
+def test_differences_intervals_and_p_values_are_over_users_as_statsmodels_clusters_them(
     client: TestClient, known_effect: tuple[int, pd.DataFrame], analyst_headers: dict[str, Any]
 ) -> None:
     experiment_id, rows = known_effect
     body = results(client, experiment_id, analyst_headers)
     arms = {arm["arm"]: arm for arm in body["arms"]}
     control, treatment = rows[rows.arm == "control"], rows[rows.arm == "treatment"]
-    assert body["control_arm"] == "control"
+    assert body["control_arm"] == "control" and body["unit"] == "user"
     assert arms["treatment"]["requests"] == len(treatment)
     assert arms["treatment"]["users"] == treatment.user_hash.nunique() == 400
+    assert arms["treatment"]["switched_users"] == 0
 
-    # Proportions: the acceptance effect is there, the dissatisfied rate does not differ.
-    for metric, treated, baseline in [
-        ("acceptance_rate", treatment.accepted, control.accepted),
-        ("dissatisfied_rate", treatment.dissatisfied.dropna(), control.dissatisfied.dropna()),
-        ("error_rate", treatment.status == "error", control.status == "error"),
+    for metric, observed, column in [
+        ("acceptance_rate", None, "accepted"),
+        ("dissatisfied_rate", "dissatisfied", "dissatisfied"),
+        ("error_rate", None, "is_error"),
+        ("kept", None, "kept"),
+        ("mean_reward", None, "reward"),
+        ("latency_mean_ms", None, "latency_ms"),
     ]:
-        x1, n1, x2, n2 = int(treated.sum()), len(treated), int(baseline.sum()), len(baseline)
-        low, high, p = agresti_caffo(x1, n1, x2, n2)
+        estimates = []
+        for frame in (treatment, control):
+            frame = frame.assign(is_error=frame.status == "error")
+            if observed:
+                frame = frame[frame[observed].notna()]
+            mean, variance = clustered_mean(frame[column], frame.user_hash)
+            estimates.append((mean, variance, 400))
+        low, high, p = welch_interval(estimates[0], estimates[1])
         got = arms["treatment"]["metrics"][metric]
-        assert got["value"] == pytest.approx(x1 / n1)
-        assert got["observations"] == n1
+        assert got["value"] == pytest.approx(estimates[0][0])
         vs = got["vs_control"]
-        assert vs["difference"] == pytest.approx(x1 / n1 - x2 / n2)
-        assert vs["relative_difference"] == pytest.approx((x1 / n1 - x2 / n2) / (x2 / n2))
-        assert (vs["ci_low"], vs["ci_high"]) == (pytest.approx(low), pytest.approx(high))
-        assert vs["p_value"] == pytest.approx(p, rel=1e-6)
+        assert vs["difference"] == pytest.approx(estimates[0][0] - estimates[1][0])
+        # Users without an observation count in the delta method's K, not in the OLS.
+        assert (vs["ci_low"], vs["ci_high"]) == (
+            pytest.approx(low, rel=2e-3),
+            pytest.approx(high, rel=2e-3),
+        ), metric
+        assert vs["p_value"] == pytest.approx(p, rel=2e-2, abs=1e-6), metric
         assert arms["control"]["metrics"][metric]["vs_control"] is None
     acceptance = arms["treatment"]["metrics"]["acceptance_rate"]["vs_control"]
-    assert acceptance["significant"] and acceptance["p_value"] < 0.01
-    assert not arms["treatment"]["metrics"]["dissatisfied_rate"]["vs_control"]["significant"]
-
-    # Means: Welch's t-test on the raw rows.
-    for metric, column in [
-        ("kept", "kept"),
-        ("mean_reward", "reward"),
-        ("latency_mean_ms", "latency_ms"),
-    ]:
-        welch = stats.ttest_ind(treatment[column], control[column], equal_var=False)
-        interval = welch.confidence_interval(0.95)
-        vs = arms["treatment"]["metrics"][metric]["vs_control"]
-        assert arms["treatment"]["metrics"][metric]["value"] == pytest.approx(
-            treatment[column].mean()
-        )
-        assert vs["difference"] == pytest.approx(treatment[column].mean() - control[column].mean())
-        assert vs["p_value"] == pytest.approx(welch.pvalue, rel=1e-6, abs=1e-12)
-        assert vs["ci_low"] == pytest.approx(interval.low, rel=1e-6)
-        assert vs["ci_high"] == pytest.approx(interval.high, rel=1e-6)
+    assert acceptance["significant"] and acceptance["p_value"] < 0.05
 
     # Percentiles come from 2%-wide histogram buckets: within 1% of numpy's.
     for metric, q in [("latency_p50_ms", 50), ("latency_p95_ms", 95), ("latency_p99_ms", 99)]:
@@ -119,6 +130,41 @@ def test_differences_intervals_and_p_values_match_an_independent_computation(
     expected = stats.chisquare(users, [sum(users) / 2] * 2)
     assert body["sample_ratio"]["p_value"] == pytest.approx(expected.pvalue)
     assert body["sample_ratio"]["mismatch"] is False
+
+
+def bootstrap_over_users(
+    treatment: pd.DataFrame, control: pd.DataFrame, statistic: Any, replicates: int = 400
+) -> float:
+    """Standard error of statistic(treatment) - statistic(control), users resampled."""
+    rng = np.random.default_rng(5)
+    groups = [dict(tuple(frame.groupby("user_hash"))) for frame in (treatment, control)]
+    draws = []
+    for _ in range(replicates):
+        picked = [
+            pd.concat([by_user[u] for u in rng.choice(list(by_user), len(by_user))])
+            for by_user in groups
+        ]
+        draws.append(statistic(picked[0]) - statistic(picked[1]))
+    return float(np.std(draws, ddof=1))
+
+
+def test_the_relative_lift_and_percentile_intervals_agree_with_a_user_bootstrap(
+    client: TestClient, known_effect: tuple[int, pd.DataFrame], analyst_headers: dict[str, Any]
+) -> None:
+    experiment_id, rows = known_effect
+    arms = {arm["arm"]: arm for arm in results(client, experiment_id, analyst_headers)["arms"]}
+    control, treatment = rows[rows.arm == "control"], rows[rows.arm == "treatment"]
+    base = control.kept.mean()
+
+    kept = arms["treatment"]["metrics"]["kept"]["vs_control"]
+    lift_se = bootstrap_over_users(treatment, control, lambda f: f.kept.mean() / base)
+    assert kept["relative_difference"] == pytest.approx(treatment.kept.mean() / base - 1)
+    width = (kept["relative_ci_high"] - kept["relative_ci_low"]) / (2 * 1.96)
+    assert width == pytest.approx(lift_se, rel=0.2)
+
+    p95 = arms["treatment"]["metrics"]["latency_p95_ms"]["vs_control"]
+    p95_se = bootstrap_over_users(treatment, control, lambda f: np.percentile(f.latency_ms, 95))
+    assert (p95["ci_high"] - p95["ci_low"]) / (2 * 1.96) == pytest.approx(p95_se, rel=0.3)
 
 
 def test_a_sample_ratio_mismatch_is_flagged(

@@ -25,8 +25,9 @@ async def post_feedback(
     """Queue a batch of IDE events; any invalid event rejects the batch with 422.
 
     Events are idempotent by `event_id`: a resent batch is answered 202 again and counted
-    as duplicates. With `X-Rtrl-Privacy: 1` (or a privacy-mode key) follow-up messages are
-    classified here and their text is dropped.
+    as duplicates. An event on a request this key was not served is answered 404. Follow-up
+    messages on a privacy-mode completion (or sent with `X-Rtrl-Privacy: 1`, or by a
+    privacy-mode key) are classified here and their text is dropped.
     """
     settings: Settings = request.app.state.settings
     batch = _batch(await request.body())
@@ -42,7 +43,11 @@ async def post_feedback(
     privacy = principal.privacy_mode or request.headers.get("x-rtrl-privacy") == "1"
     try:
         return await accept_feedback(
-            request.app.state.redis, request.app.state.sink, batch.events, privacy=privacy
+            request.app.state.redis,
+            request.app.state.sink,
+            batch.events,
+            api_key_id=principal.key_id,
+            privacy=privacy,
         )
     except RedisError:
         raise ApiError(

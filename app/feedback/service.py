@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from app.events import (
     feedback_adapter,
 )
 from app.feedback.schemas import FeedbackAccepted
-from app.gateway.service import REQUEST_ID_TTL_S, request_key
+from app.gateway.service import REQUEST_ID_TTL_S, Served, request_key
 from app.gateway.sink import EventSink
 from app.http.errors import ApiError
 from app.signals.followup import is_dissatisfied
@@ -48,25 +49,42 @@ def parse_events(raw_events: Sequence[dict[str, Any]]) -> list[Feedback]:
     return events
 
 
-async def check_served(redis: Redis, events: Sequence[Feedback]) -> None:
-    """Every event names a request this gateway served, in the session it served it in."""
-    sessions = await redis.mget([request_key(event.request_id) for event in events])
-    for index, (event, session) in enumerate(zip(events, sessions, strict=True)):
-        if session is None:
-            raise invalid_event(
-                index,
-                "request_id",
-                f"no completion with request id {event.request_id!r} was served (or it is too old)",
-                "unknown_request_id",
-            )
-        served_in = session.decode() if isinstance(session, bytes) else str(session)
-        if served_in != event.session_id:
+async def served_requests(
+    redis: Redis, events: Sequence[Feedback], api_key_id: uuid.UUID
+) -> list[Served]:
+    """What each event's request was served as; 404 unless this key was served it.
+
+    A request served to another key is answered exactly as an unknown one, so request ids
+    cannot be probed; a session mismatch is told only to the key that owns the request.
+    """
+    stored = await redis.mget([request_key(event.request_id) for event in events])
+    served = []
+    for index, (event, raw) in enumerate(zip(events, stored, strict=True)):
+        found = None if raw is None else Served.decode(raw)
+        if found is None or found.api_key_id not in (None, str(api_key_id)):
+            raise unknown_request(index, event.request_id)
+        if found.session_id != event.session_id:
             raise invalid_event(
                 index,
                 "session_id",
                 f"request {event.request_id!r} was served in another session",
                 "session_mismatch",
             )
+        served.append(found)
+    return served
+
+
+def unknown_request(index: int, request_id: str) -> ApiError:
+    """The one answer for a request id this key was not served, whether or not it exists."""
+    param = f"events[{index}].request_id"
+    return ApiError(
+        404,
+        f"{param}: no completion with request id {request_id!r} was served to this API key "
+        "(or it is too old)",
+        type="not_found_error",
+        code="unknown_request_id",
+        param=param,
+    )
 
 
 def without_content(event: Feedback) -> Feedback:
@@ -93,13 +111,24 @@ async def first_seen(redis: Redis, events: Sequence[Feedback]) -> list[Feedback]
 
 
 async def accept_feedback(
-    redis: Redis, sink: EventSink, raw_events: Sequence[dict[str, Any]], *, privacy: bool
+    redis: Redis,
+    sink: EventSink,
+    raw_events: Sequence[dict[str, Any]],
+    *,
+    api_key_id: uuid.UUID,
+    privacy: bool,
 ) -> FeedbackAccepted:
-    """Validate all, then publish the new ones to `rtrl.feedback.v1`; all or nothing."""
+    """Validate all, then publish the new ones to `rtrl.feedback.v1`; all or nothing.
+
+    A privacy-mode completion's feedback is private whatever this call says: privacy was
+    decided once, when the completion was served.
+    """
     events = parse_events(raw_events)
-    await check_served(redis, events)
-    if privacy:
-        events = [without_content(event) for event in events]
+    served = await served_requests(redis, events, api_key_id)
+    events = [
+        without_content(event) if privacy or request.privacy else event
+        for event, request in zip(events, served, strict=True)
+    ]
     new = await first_seen(redis, events)
     for event in new:
         sink.publish(FEEDBACK_TOPIC, event.session_id, event)

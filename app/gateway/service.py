@@ -66,8 +66,35 @@ class Unserved(ApiError):
 
 
 def request_key(request_id: str) -> str:
-    """The Redis key remembering that the gateway served `request_id` (value: session id)."""
+    """The Redis key remembering that the gateway served `request_id` (value: a `Served`)."""
     return f"rtrl:req:{request_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What feedback on a request must agree with, fixed when the request was served."""
+
+    session_id: str
+    api_key_id: str | None
+    """The key that was served; None in a value written before owners were recorded."""
+    privacy: bool
+
+    def encode(self) -> bytes:
+        return orjson.dumps(
+            {"session_id": self.session_id, "api_key_id": self.api_key_id, "privacy": self.privacy}
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Served:
+        """The stored value; an older one (a bare session id) has no owner and counts as private."""
+        try:
+            fields = orjson.loads(raw)
+            return cls(
+                str(fields["session_id"]), str(fields["api_key_id"]), bool(fields["privacy"])
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            session_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            return cls(session_id, None, True)
 
 
 @dataclass(slots=True)
@@ -211,16 +238,26 @@ class Gateway:
         return assignment
 
     async def reserve_request_id(
-        self, request_id: str, session_id: str, *, chosen_by_client: bool = True
+        self, request_id: str, served: Served, *, chosen_by_client: bool = True
     ) -> None:
-        """Remember the request id for feedback; 409 when it was already used, at any age."""
+        """Remember the request id for feedback; 409 when it was already used, at any age.
+
+        Without Redis the request is refused (503): a sample whose id was not recorded could
+        never receive feedback, and would be trained on as if nothing had happened to it.
+        """
         try:
             fresh = await self.redis.set(
-                request_key(request_id), session_id, nx=True, ex=REQUEST_ID_TTL_S
+                request_key(request_id), served.encode(), nx=True, ex=REQUEST_ID_TTL_S
             )
         except RedisError:
-            log.warning("request id %s not recorded: Redis unavailable", request_id)
-            return
+            log.warning("request id %s not recorded: Redis unavailable; refused", request_id)
+            raise Unserved(
+                503,
+                "The request cannot be recorded right now; retry shortly.",
+                type="service_unavailable",
+                code="request_id_unavailable",
+                headers={"Retry-After": "1"},
+            ) from None
         if not fresh:
             raise _duplicate(request_id)
         if chosen_by_client and await self._stored_long_ago(request_id):
@@ -253,7 +290,9 @@ class Gateway:
         )
         reservation = asyncio.ensure_future(
             self.reserve_request_id(
-                call.request_id, call.session_id, chosen_by_client=call.client_request_id
+                call.request_id,
+                Served(call.session_id, str(call.api_key_id), call.privacy),
+                chosen_by_client=call.client_request_id,
             )
         )
         work = asyncio.ensure_future(model_call)

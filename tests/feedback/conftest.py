@@ -63,10 +63,10 @@ def ide_key(make_key: Callable[..., str]) -> str:
 
 
 @pytest.fixture
-def serve(client: TestClient, ide_key: str) -> Callable[[], tuple[str, str]]:
+def serve(client: TestClient, ide_key: str) -> Callable[..., tuple[str, str]]:
     """Has the gateway serve a real completion; returns its (session id, request id)."""
 
-    def completion() -> tuple[str, str]:
+    def completion(key: str | None = None, **headers: str) -> tuple[str, str]:
         session, request_id = f"s-{uuid.uuid4().hex[:10]}", f"r-{uuid.uuid4().hex[:10]}"
         response = client.post(
             "/v1/chat/completions",
@@ -76,9 +76,10 @@ def serve(client: TestClient, ide_key: str) -> Callable[[], tuple[str, str]]:
                 "max_tokens": 2,
             },
             headers={
-                "Authorization": f"Bearer {ide_key}",
+                "Authorization": f"Bearer {key or ide_key}",
                 "X-Session-Id": session,
                 "X-Request-Id": request_id,
+                **headers,
             },
         )
         assert response.status_code == 200, response.text

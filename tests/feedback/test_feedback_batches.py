@@ -36,7 +36,7 @@ def every_kind(session: str, request_id: str) -> list[dict[str, Any]]:
 
 
 def test_a_batch_is_published_once_even_when_sent_twice(
-    client: TestClient, ide_key: str, serve: Callable[[], tuple[str, str]], feedback_topic: Any
+    client: TestClient, ide_key: str, serve: Callable[..., tuple[str, str]], feedback_topic: Any
 ) -> None:
     session, request_id = serve()
     batch = every_kind(session, request_id)
@@ -61,22 +61,22 @@ def test_privacy_mode_follow_ups_are_classified_here_and_lose_their_text(
     client: TestClient,
     make_key: Callable[..., str],
     ide_key: str,
-    serve: Callable[[], tuple[str, str]],
+    serve: Callable[..., tuple[str, str]],
     feedback_topic: Any,
 ) -> None:
     session, request_id = serve()
+    private_key = make_key(privacy_mode=True)
+    key_session, key_request_id = serve(private_key)
     since = feedback_topic.mark()
     complaint = event("followup_message", session, request_id, message="still broken, same error")
-    praise = event("followup_message", session, request_id, message="thanks, that fixed it")
+    praise = event("followup_message", key_session, key_request_id, message="thanks, that fixed it")
 
     by_header = client.post(
         "/v1/feedback",
         json={"events": [complaint]},
         headers=auth(ide_key, **{"X-Rtrl-Privacy": "1"}),
     )
-    by_key = client.post(
-        "/v1/feedback", json={"events": [praise]}, headers=auth(make_key(privacy_mode=True))
-    )
+    by_key = client.post("/v1/feedback", json={"events": [praise]}, headers=auth(private_key))
 
     assert by_header.status_code == by_key.status_code == 202
     published = {e["event_id"]: e for e in feedback_topic.read_until(since, praise["event_id"])}
@@ -84,6 +84,59 @@ def test_privacy_mode_follow_ups_are_classified_here_and_lose_their_text(
     assert published[complaint["event_id"]]["dissatisfied"] is True
     assert published[praise["event_id"]]["message"] is None
     assert published[praise["event_id"]]["dissatisfied"] is False
+
+
+def test_a_privacy_completion_keeps_its_follow_ups_private_whatever_the_feedback_call_says(
+    client: TestClient, ide_key: str, serve: Callable[..., tuple[str, str]], feedback_topic: Any
+) -> None:
+    session, request_id = serve(**{"X-Rtrl-Privacy": "1"})
+    since = feedback_topic.mark()
+    complaint = event("followup_message", session, request_id, message="still broken, same error")
+
+    response = client.post("/v1/feedback", json={"events": [complaint]}, headers=auth(ide_key))
+
+    assert response.status_code == 202
+    published = {e["event_id"]: e for e in feedback_topic.read_until(since, complaint["event_id"])}
+    assert published[complaint["event_id"]]["message"] is None
+    assert published[complaint["event_id"]]["dissatisfied"] is True
+
+
+def test_feedback_from_another_key_is_answered_as_an_unknown_request_id(
+    client: TestClient,
+    make_key: Callable[..., str],
+    ide_key: str,
+    serve: Callable[..., tuple[str, str]],
+    feedback_topic: Any,
+) -> None:
+    session, request_id = serve()
+    other_key = make_key()
+    since = feedback_topic.mark()
+    foreign = event("edit_rejected", session, request_id)
+    unknown = event("edit_rejected", session, "r-never-served")
+
+    by_other = client.post("/v1/feedback", json={"events": [foreign]}, headers=auth(other_key))
+    never_served = client.post("/v1/feedback", json={"events": [unknown]}, headers=auth(other_key))
+    wrong_session = client.post(
+        "/v1/feedback",
+        json={"events": [event("edit_rejected", "s-elsewhere", request_id)]},
+        headers=auth(other_key),
+    )
+
+    assert by_other.status_code == never_served.status_code == wrong_session.status_code == 404
+    refusal = by_other.json()["error"]
+    assert refusal["code"] == "unknown_request_id"
+    assert refusal == never_served.json()["error"] | {"message": refusal["message"]}
+    assert request_id in refusal["message"]
+    assert (
+        refusal["message"].replace(request_id, "r-never-served")
+        == (never_served.json()["error"]["message"])
+    )
+    sentinel = event("session_end", session, request_id)
+    assert client.post(
+        "/v1/feedback", json={"events": [sentinel]}, headers=auth(ide_key)
+    ).json() == {"accepted": 1, "duplicates": 0}
+    published = feedback_topic.read_until(since, sentinel["event_id"])
+    assert foreign["event_id"] not in {e["event_id"] for e in published}
 
 
 def bad_batches(session: str, request_id: str, other_session: str) -> list[Any]:
@@ -112,7 +165,7 @@ def bad_batches(session: str, request_id: str, other_session: str) -> list[Any]:
         (after_valid(event("edit_accepted", session, request_id, extra=1)), 422, "events[1].extra"),
         (
             after_valid(event("edit_accepted", session, "r-never-served")),
-            422,
+            404,
             "events[1].request_id",
         ),
         (
@@ -141,7 +194,7 @@ def bad_batches(session: str, request_id: str, other_session: str) -> list[Any]:
 
 
 def test_bad_batches_are_refused_whole_and_nothing_is_published(
-    client: TestClient, ide_key: str, serve: Callable[[], tuple[str, str]], feedback_topic: Any
+    client: TestClient, ide_key: str, serve: Callable[..., tuple[str, str]], feedback_topic: Any
 ) -> None:
     session, request_id = serve()
     other_session, _ = serve()

@@ -1,6 +1,6 @@
 """A reward does not depend on the order its events arrive in, nor on how often they arrive.
 
-Generated runs of one completion and its feedback go through the real broker and the
+Generated agent runs (one to three turns) and their feedback go through the real broker and the
 worker's own batch handling into Postgres, permuted, duplicated and split into batches at
 random; once the sweep has passed, the stored record must be the one the reward functions
 give for the whole set of events at once.
@@ -32,7 +32,7 @@ from app.events import (
     SessionEnd,
     encode,
 )
-from app.signals.rewards import Feedback, compute_reward, distil_components, finalize_reason
+from app.signals.rewards import Feedback, distil_components, finalize_reason, run_rewards
 from tests.conftest import fresh_worker_config
 from workers.config import WorkerConfig
 from workers.consumer import consume_batch, make_consumer, make_producer
@@ -92,30 +92,14 @@ def stream(stack: EmbeddedStack, engine: Engine) -> Iterator[Stream]:
     opened.close()
 
 
-@st.composite
-def agent_runs(draw: st.DrawFn) -> tuple[CompletionEvent, list[Feedback]]:
-    """One completion and a plausible set of IDE signals for it."""
-    ids = uuid.uuid4().hex[:12]
-    session, request = f"order-{ids}-s", f"order-{ids}-r"
-    edit_requested, proposed_edit = draw(st.booleans()), draw(st.booleans())
-    completion = CompletionEvent(
-        session_id=session,
-        request_id=request,
-        occurred_at=T0,
-        checkpoint="ckpt-order",
-        user_hash="u-order",
-        edit_requested=edit_requested,
-        proposed_edit=proposed_edit,
-        ttft_ms=draw(st.sampled_from([80.0, 1500.0])),
-        latency_ms=2500.0,
-        completion_tokens=draw(st.sampled_from([1, 40])),
-    )
+def signals_for(draw: st.DrawFn, session: str, request: str, start_s: float) -> list[Feedback]:
+    """A plausible set of IDE signals for one completion served at `start_s`."""
 
     def at(seconds: float) -> dict[str, Any]:
         return {
             "session_id": session,
             "request_id": request,
-            "occurred_at": T0 + timedelta(seconds=seconds),
+            "occurred_at": T0 + timedelta(seconds=start_s + seconds),
         }
 
     feedback: list[Feedback] = []
@@ -132,9 +116,46 @@ def agent_runs(draw: st.DrawFn) -> tuple[CompletionEvent, list[Feedback]]:
                 **at(offset), message=draw(st.sampled_from(MESSAGES)), dissatisfied=False
             )
         )
+    return feedback
+
+
+@st.composite
+def agent_runs(draw: st.DrawFn) -> tuple[list[CompletionEvent], list[Feedback]]:
+    """An agent run of one to three turns and a plausible set of IDE signals for each."""
+    ids = uuid.uuid4().hex[:12]
+    session = f"order-{ids}-s"
+    edit_requested = draw(st.booleans())
+    turns, feedback = [], []
+    count = draw(st.integers(1, 3))
+    for index in range(count):
+        request = f"order-{ids}-r{index}"
+        # A turn before the last may only read or run tests: no edit, nothing to accept.
+        reads = index < count - 1 and draw(st.booleans())
+        turns.append(
+            CompletionEvent(
+                session_id=session,
+                request_id=request,
+                occurred_at=T0 + timedelta(seconds=10 * index),
+                checkpoint="ckpt-order",
+                user_hash="u-order",
+                edit_requested=edit_requested,
+                proposed_edit=not reads and draw(st.booleans()),
+                trajectory_id=f"order-{ids}-r0",
+                turn_index=index,
+                parent_request_id=f"order-{ids}-r{index - 1}" if index else None,
+                ttft_ms=draw(st.sampled_from([80.0, 1500.0])),
+                latency_ms=2500.0,
+                completion_tokens=draw(st.sampled_from([1, 40])),
+            )
+        )
+        if not reads:
+            feedback += signals_for(draw, session, request, 10 * index)
     if draw(st.booleans()):
-        feedback.append(SessionEnd(**at(draw(st.integers(30, 1000)))))
-    return completion, feedback
+        ended = T0 + timedelta(seconds=draw(st.integers(30, 1000)))
+        feedback.append(
+            SessionEnd(session_id=session, request_id=turns[-1].request_id, occurred_at=ended)
+        )
+    return turns, feedback
 
 
 @settings(
@@ -143,11 +164,11 @@ def agent_runs(draw: st.DrawFn) -> tuple[CompletionEvent, list[Feedback]]:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(run=agent_runs(), data=st.data())
-def test_any_order_and_duplication_of_a_completions_events_gives_the_same_reward(
-    stream: Stream, run: tuple[CompletionEvent, list[Feedback]], data: st.DataObject
+def test_any_order_and_duplication_of_an_agent_runs_events_gives_the_same_rewards(
+    stream: Stream, run: tuple[list[CompletionEvent], list[Feedback]], data: st.DataObject
 ) -> None:
-    completion, feedback = run
-    everything: list[CompletionEvent | Feedback] = [completion, *feedback]
+    turns, feedback = run
+    everything: list[CompletionEvent | Feedback] = [*turns, *feedback]
     redelivered = data.draw(st.lists(st.sampled_from(everything), max_size=3))
     arrivals = data.draw(st.permutations([*everything, *redelivered]))
     # Each gap between two arrivals may end a batch: one event per batch up to one batch.
@@ -162,28 +183,33 @@ def test_any_order_and_duplication_of_a_completions_events_gives_the_same_reward
     finalize_due_rewards(stream.engine, stream.config, now=later)
 
     config = stream.config
-    expected = distil_components(
-        completion,
-        feedback,
-        horizon_s=config.horizon_s,
-        latency_budget_ms=config.latency_budget_ms,
-        ttft_budget_ms=config.ttft_budget_ms,
-        tpot_budget_ms=config.tpot_budget_ms,
-    )
-    with stream.engine.connect() as conn:
-        stored = conn.execute(
-            select(rewards)
-            .join(samples, samples.c.id == rewards.c.sample_id)
-            .where(samples.c.request_id == completion.request_id)
-        ).all()
-        feedback_rows = conn.scalar(
-            select(func.count()).where(feedback_events.c.request_id == completion.request_id)
+    expected = [
+        distil_components(
+            turn,
+            feedback,
+            horizon_s=config.horizon_s,
+            latency_budget_ms=config.latency_budget_ms,
+            ttft_budget_ms=config.ttft_budget_ms,
+            tpot_budget_ms=config.tpot_budget_ms,
         )
-    assert len(stored) == 1, "one reward record per completion"
-    (reward,) = stored
-    assert reward.components == expected.model_dump(mode="json")
-    assert reward.reward == compute_reward(expected, config.reward_version)
-    assert reward.finalize_reason == finalize_reason(
-        completion, feedback, horizon_s=config.horizon_s, grace_s=config.grace_s, now=later
-    )
+        for turn in turns
+    ]
+    expected_rewards = run_rewards(expected, config.reward_version)
+    with stream.engine.connect() as conn:
+        for turn, components, reward in zip(turns, expected, expected_rewards, strict=True):
+            stored = conn.execute(
+                select(rewards)
+                .join(samples, samples.c.id == rewards.c.sample_id)
+                .where(samples.c.request_id == turn.request_id)
+            ).all()
+            assert len(stored) == 1, "one reward record per completion"
+            (record,) = stored
+            assert record.components == components.model_dump(mode="json")
+            assert record.reward == (reward if reward is None else pytest.approx(reward))
+            assert record.finalize_reason == finalize_reason(
+                turn, feedback, horizon_s=config.horizon_s, grace_s=config.grace_s, now=later
+            )
+        feedback_rows = conn.scalar(
+            select(func.count()).where(feedback_events.c.session_id == turns[0].session_id)
+        )
     assert feedback_rows == len(feedback), "each feedback event stored once"

@@ -10,12 +10,16 @@ import httpx
 import openai
 import pytest
 import redis
+from fastapi.testclient import TestClient
 from openai import OpenAI
 from sqlalchemy import Engine, select
 
+from app.config import Settings
 from app.db import session_scope
+from app.embedded.process import free_port
 from app.events import COMPLETIONS_TOPIC, CompletionEvent
 from app.gateway.service import request_key
+from app.main import create_app
 from app.models import Checkpoint, CheckpointStatus
 from workers.config import WorkerConfig
 from workers.store import sample_row, store_events
@@ -282,6 +286,35 @@ def test_a_request_id_is_refused_at_any_age_even_after_redis_forgot_it(
     assert reservations.get(request_key(request_id)) is None  # feedback is not redirected
     fresh = client.chat.completions.create(**{**ask, "extra_headers": {}})
     assert fresh.choices
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_id_that_cannot_be_recorded_is_a_503_and_no_sample(
+    gateway_settings: Settings, registry: Engine, ide_key: str, kafka: Any, stream: bool
+) -> None:
+    """Without Redis the id cannot be reserved: served anyway, its feedback would be refused
+    forever and it would train as if nothing had happened to it."""
+    settings = gateway_settings.model_copy(
+        update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}
+    )
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    request_id = new_id("r")
+    with TestClient(create_app(settings)) as client:
+        answer = client.post(
+            "/v1/chat/completions",
+            json={"messages": MESSAGES, "max_tokens": 4, "stream": stream},
+            headers={
+                "Authorization": f"Bearer {ide_key}",
+                "X-Session-Id": new_id("s"),
+                "X-Request-Id": request_id,
+            },
+        )
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["code"] == "request_id_unavailable"
+    # The app's exit sent its spool to Kafka: whatever it logged is there now.
+    logged = kafka.read(COMPLETIONS_TOPIC, since, timeout=3)
+    assert request_id not in {event["request_id"] for event in logged}
 
 
 def test_a_stream_the_client_abandons_is_logged_as_cancelled_and_never_trained(

@@ -6,6 +6,7 @@ from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -25,6 +26,10 @@ def embedded_redis_url(port: int) -> str:
 
 def embedded_vllm_url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
+
+
+DEVELOPMENT_USER_HASH_SECRET = "rtrl-development-only"
+_LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", ""}
 
 
 class SettingsError(Exception):
@@ -98,7 +103,7 @@ class Settings(BaseSettings):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
 
-    user_hash_secret: SecretStr = SecretStr("rtrl-development-only")
+    user_hash_secret: SecretStr = SecretStr(DEVELOPMENT_USER_HASH_SECRET)
     """Key of the HMAC that turns user ids into the hashes stored and used for A/B buckets."""
 
     rate_limit_per_minute: int = Field(default=600, ge=1)
@@ -216,6 +221,23 @@ class Settings(BaseSettings):
         return value
 
     @property
+    def external_services(self) -> list[str]:
+        """The backing services addressed away from this machine (production's managed ones)."""
+        urls = {
+            "RTRL_DATABASE_URL": [self.database_url],
+            "RTRL_KAFKA_BOOTSTRAP_SERVERS": [
+                f"kafka://{server.strip()}" for server in self.kafka_bootstrap_servers.split(",")
+            ],
+            "RTRL_REDIS_URL": [self.redis_url],
+            "RTRL_VLLM_URLS": self.vllm_urls,
+        }
+        return [
+            name
+            for name, values in urls.items()
+            if any(not _on_loopback(value) for value in values)
+        ]
+
+    @property
     def base_model_path(self) -> Path:
         return self.base_model or self.data_dir / "models" / "base"
 
@@ -248,6 +270,27 @@ def settings_environment(settings: Settings) -> dict[str, str]:
             text = str(value)
         env[f"RTRL_{name.upper()}"] = text
     return env
+
+
+def _on_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def refuse_development_secrets(settings: Settings) -> None:
+    """SettingsError when services are external (production) but a secret is a default one.
+
+    The user hash keys every A/B bucket and every stored user id: with the published
+    development value anyone can map a user id to its hash.
+    """
+    external = settings.external_services
+    secret = settings.user_hash_secret.get_secret_value()
+    if external and secret in ("", DEVELOPMENT_USER_HASH_SECRET):
+        raise SettingsError(
+            "RTRL_USER_HASH_SECRET must be set to a secret of your own: "
+            f"{', '.join(external)} point at external services, and the development value "
+            "is public"
+        )
 
 
 def load_settings() -> Settings:

@@ -23,7 +23,7 @@ from app.admin.router import router as admin_router
 from app.analytics.dashboard import router as dashboard_router
 from app.analytics.router import router as analytics_router
 from app.auth.service import Authenticator, RateLimiter
-from app.config import Settings, get_settings
+from app.config import Settings, get_settings, refuse_development_secrets
 from app.db import make_async_engine
 from app.feedback.router import router as feedback_router
 from app.gateway.assignment import RoutingCache
@@ -44,8 +44,12 @@ STRAGGLERS_S = 5.0
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """The gateway app; its lifespan opens and closes every connection it uses."""
+    """The gateway app; its lifespan opens and closes every connection it uses.
+
+    SettingsError when production services are configured with a development secret.
+    """
     settings = settings or get_settings()
+    refuse_development_secrets(settings)
     shutdown = Shutdown(settings.shutdown_drain.total_seconds())
 
     @asynccontextmanager

@@ -1,9 +1,14 @@
+import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
-from app.config import SettingsError, load_settings
+from app.config import Settings, SettingsError, load_settings, refuse_development_secrets
+from app.main import create_app
 
 
 @pytest.fixture(autouse=True)
@@ -67,3 +72,52 @@ def test_invalid_values_fail_naming_the_variable(
     with pytest.raises(SettingsError) as excinfo:
         load_settings()
     assert variable in str(excinfo.value)
+
+
+PRODUCTION = {
+    "RTRL_DATABASE_URL": "postgresql+psycopg://rtrl:rtrl@postgres:5432/rtrl",
+    "RTRL_KAFKA_BOOTSTRAP_SERVERS": "kafka:9092",
+    "RTRL_REDIS_URL": "redis://redis:6379/0",
+    "RTRL_VLLM_URLS": "http://vllm:8000",
+}
+
+
+def test_development_secrets_are_refused_only_beside_external_services() -> None:
+    external = Settings(database_url=PRODUCTION["RTRL_DATABASE_URL"])
+    with pytest.raises(SettingsError) as refused:
+        refuse_development_secrets(external)
+    assert str(refused.value).startswith("RTRL_USER_HASH_SECRET ")
+    assert "RTRL_DATABASE_URL" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(SettingsError):
+        refuse_development_secrets(external.model_copy(update={"user_hash_secret": SecretStr("")}))
+    with pytest.raises(SettingsError):
+        create_app(external)
+
+    refuse_development_secrets(external.model_copy(update={"user_hash_secret": SecretStr("s3")}))
+    refuse_development_secrets(Settings())  # the embedded stack on loopback
+    refuse_development_secrets(
+        Settings(
+            database_url="postgresql+psycopg://postgres@localhost:5432/rtrl",
+            redis_url="unix:///tmp/redis.sock",
+            vllm_urls=["http://[::1]:8000"],
+        )
+    )
+
+
+@pytest.mark.parametrize("command", ["gateway", "worker"])
+def test_gateway_and_workers_refuse_to_start_on_the_development_secret(
+    command: str, tmp_path: Path
+) -> None:
+    environment = {"PATH": os.environ["PATH"], "RTRL_DATA_DIR": str(tmp_path), **PRODUCTION}
+
+    started = subprocess.run(
+        [sys.executable, "-m", "app.cli", command],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert started.returncode == 1
+    (line,) = started.stderr.strip().splitlines()
+    assert line.startswith("error: RTRL_USER_HASH_SECRET must be set"), started.stderr

@@ -8,7 +8,7 @@ import signal
 import threading
 from types import FrameType
 
-from app.config import get_settings
+from app.config import get_settings, refuse_development_secrets
 from workers.config import WorkerConfig
 from workers.consumer import run_worker
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         if name != "log_level" and value is not None
     }
     settings = get_settings()
+    refuse_development_secrets(settings)
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 from sqlalchemy import Engine, insert, select
 
 from app.db import session_scope
@@ -50,6 +51,8 @@ class Behaviour:
     """With a value: each user accepts at their own rate, Beta(accept c, (1 - accept) c)."""
     pre_requests_per_user: int = 0
     """Requests each user made in the week before the experiment (no experiment, no arm)."""
+    pre_accept: float = 0.4
+    """The mean acceptance rate before the experiment: a user keeps their rank among users."""
     dissatisfied: float = 0.1
     malformed: float = 0.05
     error: float = 0.01
@@ -118,10 +121,11 @@ def _arm_rows(rng: np.random.Generator, experiment_id: int, arm: SeededArm) -> p
     most = b.most_requests_per_user or b.requests_per_user
     counts = rng.integers(b.requests_per_user, most + 1, b.users)
     names = [f"{experiment_id}-{arm.name}-{u}" for u in range(b.users)]
-    propensity = np.full(b.users, b.accept)
+    propensity = pre_propensity = np.full(b.users, b.accept)
     if b.accept_concentration is not None:
-        c = b.accept_concentration
-        propensity = rng.beta(b.accept * c, (1 - b.accept) * c, b.users)
+        c, rank = b.accept_concentration, rng.random(b.users)
+        propensity = stats.beta.ppf(rank, b.accept * c, (1 - b.accept) * c)
+        pre_propensity = stats.beta.ppf(rank, b.pre_accept * c, (1 - b.pre_accept) * c)
     frame = _rows(rng, np.repeat(names, counts), np.repeat(propensity, counts), b, DAYS * 86_400)
     frame["arm"], frame["checkpoint"] = arm.name, arm.checkpoint
     frame["experiment_id"] = experiment_id
@@ -129,7 +133,7 @@ def _arm_rows(rng: np.random.Generator, experiment_id: int, arm: SeededArm) -> p
     if not b.pre_requests_per_user:
         return frame
     pre_users = np.repeat(names, b.pre_requests_per_user)
-    pre = _rows(rng, pre_users, np.repeat(propensity, b.pre_requests_per_user), b, 7 * 86_400)
+    pre = _rows(rng, pre_users, np.repeat(pre_propensity, b.pre_requests_per_user), b, 7 * 86_400)
     pre["arm"], pre["checkpoint"], pre["experiment_id"] = None, f"{arm.checkpoint}-pre", None
     pre["served_at"] = [
         day_zero() - timedelta(days=7) + timedelta(seconds=float(s)) for s in pre.offset_s

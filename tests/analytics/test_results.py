@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -16,9 +16,12 @@ import pytest
 import statsmodels.api as sm
 from fastapi.testclient import TestClient
 from scipy import stats
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 
 from app.abtest.rollups import refresh_rollups
+from app.db import session_scope
+from app.models import Arm, AuditEntry
+from tests.analytics import conftest
 from tests.analytics.conftest import DAYS, Behaviour, SeededArm, day_zero
 
 Seeder = Callable[..., tuple[int, pd.DataFrame]]
@@ -133,16 +136,24 @@ def test_differences_intervals_and_p_values_are_over_users_as_statsmodels_cluste
 
 
 def bootstrap_over_users(
-    treatment: pd.DataFrame, control: pd.DataFrame, statistic: Any, replicates: int = 400
+    treatment: pd.DataFrame,
+    control: pd.DataFrame,
+    column: str,
+    statistic: Any,
+    replicates: int = 400,
 ) -> float:
-    """Standard error of statistic(treatment) - statistic(control), users resampled."""
+    """Standard error of statistic(treatment) - statistic(control) of a column, users
+    resampled with replacement."""
     rng = np.random.default_rng(5)
-    groups = [dict(tuple(frame.groupby("user_hash"))) for frame in (treatment, control)]
+    arms = [
+        [values.to_numpy() for _, values in frame.groupby("user_hash")[column]]
+        for frame in (treatment, control)
+    ]
     draws = []
     for _ in range(replicates):
         picked = [
-            pd.concat([by_user[u] for u in rng.choice(list(by_user), len(by_user))])
-            for by_user in groups
+            np.concatenate([users[i] for i in rng.integers(0, len(users), len(users))])
+            for users in arms
         ]
         draws.append(statistic(picked[0]) - statistic(picked[1]))
     return float(np.std(draws, ddof=1))
@@ -157,13 +168,15 @@ def test_the_relative_lift_and_percentile_intervals_agree_with_a_user_bootstrap(
     base = control.kept.mean()
 
     kept = arms["treatment"]["metrics"]["kept"]["vs_control"]
-    lift_se = bootstrap_over_users(treatment, control, lambda f: f.kept.mean() / base)
+    lift_se = bootstrap_over_users(treatment, control, "kept", lambda kept: kept.mean() / base)
     assert kept["relative_difference"] == pytest.approx(treatment.kept.mean() / base - 1)
     width = (kept["relative_ci_high"] - kept["relative_ci_low"]) / (2 * 1.96)
     assert width == pytest.approx(lift_se, rel=0.2)
 
     p95 = arms["treatment"]["metrics"]["latency_p95_ms"]["vs_control"]
-    p95_se = bootstrap_over_users(treatment, control, lambda f: np.percentile(f.latency_ms, 95))
+    p95_se = bootstrap_over_users(
+        treatment, control, "latency_ms", lambda latency: np.percentile(latency, 95)
+    )
     assert (p95["ci_high"] - p95["ci_low"]) / (2 * 1.96) == pytest.approx(p95_se, rel=0.3)
 
 
@@ -193,6 +206,165 @@ def test_a_sample_ratio_mismatch_is_flagged(
     assert check["p_value"] == pytest.approx(expected.pvalue)
     assert check["chi_square"] == pytest.approx(expected.statistic)
     assert check["observed_users"] == {"control": 400, "treatment": 300}
+
+
+def add_users(
+    engine: Engine,
+    experiment_id: int,
+    arm: str,
+    checkpoint: str,
+    users: list[str],
+    first: datetime,
+    span: timedelta,
+) -> pd.DataFrame:
+    """One request for each of `users` in `arm`, served within `span` from `first`."""
+    rng = np.random.default_rng(len(users))
+    rows = conftest._rows(
+        rng, np.array(users), np.full(len(users), 0.4), Behaviour(users=len(users)), 1.0
+    )
+    rows["arm"], rows["checkpoint"], rows["experiment_id"] = arm, checkpoint, experiment_id
+    rows["served_at"] = [first + span * float(f) for f in rng.random(len(users))]
+    conftest._insert(engine, rows)
+    return rows
+
+
+def test_users_seen_in_two_arms_are_reported_and_left_out(
+    client: TestClient, seeder: Seeder, app_engine: Engine, analyst_headers: dict[str, Any]
+) -> None:
+    experiment_id, rows = seeder(
+        [
+            SeededArm("control", "sw-a", 5_000, Behaviour(users=100), is_control=True),
+            SeededArm("treatment", "sw-b", 5_000, Behaviour(users=100)),
+        ],
+        seed=14,
+    )
+    # Ten control users are later served by the treatment (e.g. an arm was stopped and ramped).
+    moved = sorted(rows[rows.arm == "control"].user_hash.unique())[:10]
+    later = day_zero() + timedelta(days=DAYS)
+    add_users(app_engine, experiment_id, "treatment", "sw-b", moved, later, timedelta(hours=1))
+    refresh_rollups(app_engine)
+
+    arms = {arm["arm"]: arm for arm in results(client, experiment_id, analyst_headers)["arms"]}
+
+    stayed = rows[(rows.arm == "control") & ~rows.user_hash.isin(moved)]
+    assert (arms["control"]["users"], arms["control"]["switched_users"]) == (90, 10)
+    assert (arms["treatment"]["users"], arms["treatment"]["switched_users"]) == (100, 0)
+    assert arms["control"]["requests"] == len(stayed)
+    assert arms["treatment"]["requests"] == (rows.arm == "treatment").sum()
+    assert arms["control"]["metrics"]["kept"]["value"] == pytest.approx(stayed.kept.mean())
+
+
+def test_the_sample_ratio_is_checked_against_the_weights_at_each_users_first_exposure(
+    client: TestClient, seeder: Seeder, app_engine: Engine, analyst_headers: dict[str, Any]
+) -> None:
+    experiment_id, _ = seeder(
+        [
+            SeededArm("control", "ramp-a", 9_000, Behaviour(450, 1), is_control=True),
+            SeededArm("treatment", "ramp-b", 1_000, Behaviour(50, 1)),
+        ],
+        seed=15,
+    )
+    ramped_at = day_zero() + timedelta(days=DAYS)
+    with session_scope(app_engine) as session:
+        state = [
+            {"name": "control", "weight_bps": 9_000, "is_control": True},
+            {"name": "treatment", "weight_bps": 1_000, "is_control": False},
+        ]
+        after = [{**state[0], "weight_bps": 5_000}, {**state[1], "weight_bps": 5_000}]
+        session.add(
+            AuditEntry(
+                actor="ops",
+                action="experiment.ramp",
+                target=f"experiment:{experiment_id}",
+                before={"arms": state},
+                after={"arms": after},
+                at=ramped_at,
+            )
+        )
+        session.execute(
+            update(Arm).where(Arm.experiment_id == experiment_id).values(weight_bps=5_000)
+        )
+    for arm, checkpoint in (("control", "ramp-a"), ("treatment", "ramp-b")):
+        users = [f"{experiment_id}-after-{arm}-{n}" for n in range(250)]
+        add_users(app_engine, experiment_id, arm, checkpoint, users, ramped_at, timedelta(hours=6))
+    refresh_rollups(app_engine)
+
+    check = results(client, experiment_id, analyst_headers)["sample_ratio"]
+
+    assert check["observed_users"] == {"control": 700, "treatment": 300}
+    assert check["ramp_periods"] == 2 and check["mismatch"] is False
+    assert check["p_value"] == pytest.approx(1.0)
+    # Against today's weights alone, the ramp itself would look like a mismatch.
+    assert stats.chisquare([700, 300], [500, 500]).pvalue < 1e-30
+
+
+@pytest.fixture(scope="module")
+def with_history(seeder: Seeder, app_engine: Engine) -> tuple[int, pd.DataFrame]:
+    """Users who accept at very different rates, seen for a week before the experiment."""
+    users = {
+        "requests_per_user": 4,
+        "most_requests_per_user": 12,
+        "accept_concentration": 2.0,
+        "pre_requests_per_user": 12,
+    }
+    seeded = seeder(
+        [
+            SeededArm("control", "cuped-a", 5_000, Behaviour(500, **users), is_control=True),
+            SeededArm("treatment", "cuped-b", 5_000, Behaviour(500, **users, accept=0.45)),
+        ],
+        seed=16,
+    )
+    refresh_rollups(app_engine)
+    return seeded
+
+
+def cuped_bootstrap(rows: pd.DataFrame, replicates: int = 400) -> float:
+    """SE of the CUPED kept difference, users resampled and theta re-estimated each time
+    (per-user influence values of the post and pre ratios, theta their pooled slope)."""
+    during, before = rows[rows.arm.notna()], rows[rows.arm.isna()]
+    per_user = during.groupby("user_hash").agg(arm=("arm", "first"), y=("kept", "sum"))
+    per_user["n"] = during.groupby("user_hash").size()
+    per_user["x"] = before.groupby("user_hash").kept.sum()
+    per_user["m"] = before.groupby("user_hash").size()
+    arms = [
+        per_user[per_user.arm == arm].to_numpy()[:, 1:].astype(float)
+        for arm in ("treatment", "control")
+    ]
+    rng = np.random.default_rng(3)
+    draws = []
+    for _ in range(replicates):
+        pieces = []
+        for values in arms:
+            y, n, x, m = values[rng.integers(0, len(values), len(values))].T
+            r, p = y.sum() / n.sum(), x.sum() / m.sum()
+            u, v = (y - r * n) / n.mean(), (x - p * m) / m.mean()
+            pieces.append((r, p, np.cov(u, v)[0, 1] / len(u), v.var(ddof=1) / len(v)))
+        theta = (pieces[0][2] + pieces[1][2]) / (pieces[0][3] + pieces[1][3])
+        draws.append(pieces[0][0] - pieces[1][0] - theta * (pieces[0][1] - pieces[1][1]))
+    return float(np.std(draws, ddof=1))
+
+
+def test_cuped_narrows_the_interval_beside_the_unadjusted_one(
+    client: TestClient, with_history: tuple[int, pd.DataFrame], analyst_headers: dict[str, Any]
+) -> None:
+    experiment_id, rows = with_history
+    plain = results(client, experiment_id, analyst_headers)
+    body = results(client, experiment_id, analyst_headers, cuped="true")
+
+    assert body["cuped"] is True and plain["cuped"] is False
+    kept = {arm["arm"]: arm for arm in body["arms"]}["treatment"]["metrics"]["kept"]
+    unadjusted, adjusted = kept["vs_control"], kept["cuped"]
+    assert (
+        unadjusted
+        == {a["arm"]: a for a in plain["arms"]}["treatment"]["metrics"]["kept"]["vs_control"]
+    )
+    assert adjusted["variance_reduction"] > 0.2
+    assert adjusted["ci_high"] - adjusted["ci_low"] < unadjusted["ci_high"] - unadjusted["ci_low"]
+    # The true lift: 5 pp more accepted edits, two thirds of each kept on average.
+    assert adjusted["ci_low"] < 0.05 * 4 / 6 < adjusted["ci_high"]
+    se = (adjusted["ci_high"] - adjusted["ci_low"]) / (2 * stats.t.ppf(0.975, 900))
+    assert se == pytest.approx(cuped_bootstrap(rows), rel=0.2)
+    assert {a["arm"]: a for a in plain["arms"]}["treatment"]["metrics"]["kept"]["cuped"] is None
 
 
 def test_a_window_counts_only_its_days(

@@ -372,7 +372,7 @@ async def revoke_api_key(request: Request, principal: Ops, key_id: uuid.UUID) ->
     async with change(request, routing=False) as session:
         entry = await keys.revoke_api_key(session, key_id, actor_of(principal))
     authenticator: Authenticator = request.app.state.authenticator
-    authenticator.forget()
+    authenticator.forget(key_id)
     return Change.model_validate(entry)
 
 

@@ -6,8 +6,10 @@ import hashlib
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TypeVar
 
 from redis.asyncio import Redis
 from sqlalchemy import select
@@ -17,11 +19,18 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.auth.schemas import Principal
 from app.models import ApiKey, Role
 
+V = TypeVar("V")
+
 SECRET_PREFIX = "rtrl_"
 DISPLAY_PREFIX_CHARS = 12
 AUTH_CACHE_TTL_S = 3.0
 """How long a key lookup is trusted, so a revocation takes effect within this time."""
 AUTH_CACHE_MAX_ENTRIES = 10_000
+UNKNOWN_KEY_TTL_S = 30.0
+"""How long "no such key" is trusted: a key's secret is random, so an unknown one that later
+becomes valid does not happen; a revoked key is refused at once by the cache of known keys."""
+AUTH_FAILURES_PER_MINUTE = 30
+"""Failed authentications a client address may make per clock minute before it waits."""
 AUTH_STALE_IF_ERROR_S = 600.0
 """While Postgres is unreachable, a key's last answer stands this long past its TTL, so the
 gateway keeps serving known keys through a database restart (a revocation made during the
@@ -30,6 +39,14 @@ outage waits for Postgres to return)."""
 
 class AuthError(Exception):
     """The presented key is missing, unknown, revoked or expired."""
+
+
+class AuthThrottled(Exception):
+    """The client failed to authenticate too often; it may try again after `retry_after_s`."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"too many failed authentications; retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
 
 
 class AuthUnavailable(Exception):
@@ -101,31 +118,57 @@ def _principal(row: ApiKey) -> Principal:
 
 
 class Authenticator:
-    """Resolves secrets to principals, caching each answer (even "no such key") for seconds."""
+    """Resolves secrets to principals, caching each answer (even "no such key") for seconds.
+
+    Unknown keys are remembered apart from known ones, so a flood of them cannot push the
+    known keys out; each client address may fail only so often before it waits.
+    """
 
     def __init__(
         self,
         session_maker: async_sessionmaker[AsyncSession],
         *,
         ttl_s: float = AUTH_CACHE_TTL_S,
+        unknown_ttl_s: float = UNKNOWN_KEY_TTL_S,
         max_entries: int = AUTH_CACHE_MAX_ENTRIES,
         stale_if_error_s: float = AUTH_STALE_IF_ERROR_S,
+        failures_per_minute: int = AUTH_FAILURES_PER_MINUTE,
     ) -> None:
         self._session_maker = session_maker
         self._ttl_s = ttl_s
+        self._unknown_ttl_s = unknown_ttl_s
         self._stale_if_error_s = stale_if_error_s
         self._max_entries = max_entries
-        self._cache: dict[str, tuple[float, Principal | None]] = {}
+        self._known: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
+        self._unknown: OrderedDict[str, float] = OrderedDict()
+        self._failures = FailureWindow(failures_per_minute, max_entries)
+        self.lookups = 0
+        """Postgres lookups made (the cost an unknown key's caller imposes)."""
 
-    async def authenticate(self, secret: str) -> Principal:
-        """The principal of a valid key; AuthError when unknown, revoked or expired."""
+    async def authenticate(self, secret: str, client: str | None = None) -> Principal:
+        """The principal of a valid key; AuthError when unknown, revoked or expired.
+
+        AuthThrottled, before any lookup, once `client` has failed too often this minute.
+        """
+        if client is not None:
+            self._failures.check(client)
+        try:
+            return await self._authenticate(secret)
+        except AuthError:
+            if client is not None:
+                self._failures.add(client)
+            raise
+
+    async def _authenticate(self, secret: str) -> Principal:
         if not secret.startswith(SECRET_PREFIX):
             raise AuthError("invalid API key")
         key_hash = hash_secret(secret)
         now = time.monotonic()
-        cached = self._cache.get(key_hash)
+        if self._unknown.get(key_hash, 0.0) > now:
+            raise AuthError("invalid or revoked API key")
+        cached = self._known.get(key_hash)
         if cached is not None and cached[0] > now:
-            principal = cached[1]
+            principal: Principal | None = cached[1]
         else:
             try:
                 principal = await self._lookup(key_hash)
@@ -134,32 +177,71 @@ class Authenticator:
                     raise AuthUnavailable(str(exc).splitlines()[0]) from exc
                 principal = cached[1]  # the last answer stands while Postgres is away
             else:
-                if len(self._cache) >= self._max_entries:
-                    self._evict(now)
-                self._cache[key_hash] = (now + self._ttl_s, principal)
+                self._remember(key_hash, principal, now)
         if principal is None:
             raise AuthError("invalid or revoked API key")
         if principal.expires_at is not None and principal.expires_at <= datetime.now(UTC):
             raise AuthError("API key expired")
         return principal
 
-    def forget(self) -> None:
-        """Drop every cached answer."""
-        self._cache.clear()
+    def forget(self, key_id: uuid.UUID | None = None) -> None:
+        """Drop the cached answers for one key (a revocation), or for every key."""
+        if key_id is None:
+            self._known.clear()
+            self._unknown.clear()
+            return
+        for key_hash in [h for h, (_, p) in self._known.items() if p.key_id == key_id]:
+            del self._known[key_hash]
 
     async def _lookup(self, key_hash: str) -> Principal | None:
+        self.lookups += 1
         async with self._session_maker() as session:
             row = await session.scalar(
                 select(ApiKey).where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
             )
             return None if row is None else _principal(row)
 
-    def _evict(self, now: float) -> None:
-        expired = [key for key, (until, _) in self._cache.items() if until <= now]
-        for key in expired:
-            del self._cache[key]
-        if len(self._cache) >= self._max_entries:
-            self._cache.clear()
+    def _remember(self, key_hash: str, principal: Principal | None, now: float) -> None:
+        if principal is None:
+            self._known.pop(key_hash, None)
+            _bounded_put(self._unknown, key_hash, now + self._unknown_ttl_s, self._max_entries)
+        else:
+            self._unknown.pop(key_hash, None)
+            _bounded_put(self._known, key_hash, (now + self._ttl_s, principal), self._max_entries)
+
+
+def _bounded_put(cache: OrderedDict[str, V], key: str, value: V, max_entries: int) -> None:
+    """Set `key` as the newest entry; the oldest go once the cache is full."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > max_entries:
+        cache.popitem(last=False)
+
+
+class FailureWindow:
+    """Failed authentications per client address in the current clock minute (per replica)."""
+
+    def __init__(self, per_minute: int, max_clients: int) -> None:
+        self._per_minute = per_minute
+        self._max_clients = max_clients
+        self._window = 0
+        self._counts: OrderedDict[str, int] = OrderedDict()
+
+    def check(self, client: str) -> None:
+        """AuthThrottled when `client` has used up this minute's failures."""
+        now = time.time()
+        self._roll(int(now // 60))
+        if self._counts.get(client, 0) >= self._per_minute:
+            raise AuthThrottled(max(1, int(60 - now % 60)))
+
+    def add(self, client: str) -> None:
+        self._roll(int(time.time() // 60))
+        _bounded_put(self._counts, client, self._counts.get(client, 0) + 1, self._max_clients)
+
+    def _roll(self, window: int) -> None:
+        if window != self._window:
+            self._window = window
+            self._counts.clear()
 
 
 # One counter per key and clock minute; INCRBY and its expiry in one round trip.

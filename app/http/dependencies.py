@@ -10,7 +10,13 @@ from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.auth.schemas import Principal
-from app.auth.service import Authenticator, AuthError, AuthUnavailable, RateLimiter
+from app.auth.service import (
+    Authenticator,
+    AuthError,
+    AuthThrottled,
+    AuthUnavailable,
+    RateLimiter,
+)
 from app.http.errors import ApiError
 from app.models import Role
 
@@ -79,10 +85,22 @@ def require_role(
 
 
 async def principal_for(request: Request, secret: str) -> Principal:
-    """The principal of a secret; 401 when unknown, revoked or expired, 503 in an outage."""
+    """The principal of a secret; 401 when unknown, revoked or expired, 503 in an outage.
+
+    A client address that keeps presenting bad keys is answered 429 without a lookup.
+    """
     authenticator: Authenticator = request.app.state.authenticator
+    client = request.client.host if request.client is not None else None
     try:
-        return await authenticator.authenticate(secret)
+        return await authenticator.authenticate(secret, client)
+    except AuthThrottled as exc:
+        raise ApiError(
+            429,
+            "Too many failed authentications from this address; retry later.",
+            type="rate_limit_error",
+            code="too_many_failed_authentications",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        ) from None
     except AuthError as exc:
         raise ApiError(
             401, f"{exc}.", type="authentication_error", code="invalid_api_key"

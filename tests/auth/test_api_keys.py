@@ -14,7 +14,7 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.pool import NullPool
 
-from app.auth.service import Authenticator, AuthError, create_api_key
+from app.auth.service import Authenticator, AuthError, AuthThrottled, create_api_key
 from app.config import Settings
 from app.db import make_async_engine, session_scope
 from app.models import ApiKey, Role
@@ -99,3 +99,63 @@ def test_a_cached_key_is_revoked_within_the_cache_ttl(
     time.sleep(1.1)
     with pytest.raises(AuthError):
         authenticate(authenticator, secret)
+
+
+def test_an_unknown_key_is_looked_up_once_and_cannot_push_known_keys_out(
+    make_key: Callable[..., Any], stack: Any
+) -> None:
+    engine = make_async_engine(Settings().database_url, poolclass=NullPool)
+    authenticator = Authenticator(async_sessionmaker(engine), ttl_s=60.0, max_entries=2)
+    _, known = make_key()
+    authenticate(authenticator, known)
+    lookups = authenticator.lookups
+
+    for _ in range(3):
+        with pytest.raises(AuthError):
+            authenticate(authenticator, "rtrl_never-issued")
+    for n in range(5):  # a flood of distinct unknown keys, each one lookup
+        with pytest.raises(AuthError):
+            authenticate(authenticator, f"rtrl_guess-{n}")
+
+    assert authenticator.lookups == lookups + 1 + 5
+    authenticate(authenticator, known)
+    assert authenticator.lookups == lookups + 6  # the known key is still cached
+
+
+def test_forgetting_one_key_keeps_the_others_cached(
+    make_key: Callable[..., Any], stack: Any
+) -> None:
+    engine = make_async_engine(Settings().database_url, poolclass=NullPool)
+    authenticator = Authenticator(async_sessionmaker(engine), ttl_s=60.0)
+    first_row, first = make_key()
+    _, second = make_key()
+    authenticate(authenticator, first)
+    authenticate(authenticator, second)
+    lookups = authenticator.lookups
+
+    authenticator.forget(first_row.id)
+    authenticate(authenticator, second)
+    authenticate(authenticator, first)
+
+    assert authenticator.lookups == lookups + 1
+
+
+def test_an_address_that_keeps_failing_waits_while_others_go_on(
+    make_key: Callable[..., Any], stack: Any
+) -> None:
+    engine = make_async_engine(Settings().database_url, poolclass=NullPool)
+    authenticator = Authenticator(async_sessionmaker(engine), failures_per_minute=3)
+    _, known = make_key()
+    for n in range(3):
+        with pytest.raises(AuthError):
+            asyncio.run(authenticator.authenticate(f"rtrl_guess-{n}", "203.0.113.7"))
+    lookups = authenticator.lookups
+
+    with pytest.raises(AuthThrottled) as throttled:
+        asyncio.run(authenticator.authenticate("rtrl_guess-next", "203.0.113.7"))
+    with pytest.raises(AuthThrottled):
+        asyncio.run(authenticator.authenticate(known, "203.0.113.7"))
+
+    assert 1 <= throttled.value.retry_after_s <= 60
+    assert authenticator.lookups == lookups
+    assert asyncio.run(authenticator.authenticate(known, "198.51.100.2")).role == Role.ide

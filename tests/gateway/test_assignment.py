@@ -1,7 +1,9 @@
-"""A/B assignment: deterministic buckets, sticky arms across gateways, fallbacks, live changes."""
+"""A/B assignment: deterministic buckets, sticky arms across gateways and ramps, fallbacks,
+live changes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,9 +15,10 @@ import httpx
 import pytest
 import redis
 from sqlalchemy import Engine, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.config import Settings
-from app.db import session_scope
+from app.db import make_async_engine, session_scope
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.assignment import (
     ArmRoute,
@@ -24,9 +27,14 @@ from app.gateway.assignment import (
     bucket_bps,
     fnv1a32,
     hash_user,
+    load_routing_table,
 )
 from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
+from app.registry.audit import Actor, RegistryError
+from app.registry.buckets import ArmWeight, arm_ranges, check_layout
+from app.registry.experiments import create_experiment, ramp_experiment, stop_experiment
 from app.registry.routing import ROUTING_CHANNEL
+from app.registry.schemas import ExperimentCreate
 from app.serving.checkpoints import publish_checkpoint, retire_checkpoint
 from app.serving.vllm import VllmServer
 
@@ -49,7 +57,10 @@ def test_buckets_are_growthbook_v2_and_evenly_spread() -> None:
 
 
 def test_the_routing_table_routes_arms_remainder_and_unserved_checkpoints() -> None:
-    arms = (ArmRoute("control", "ckpt-1", 3_000), ArmRoute("canary", "ckpt-2", 4_000))
+    arms = (
+        ArmRoute("control", "ckpt-1", ((0, 3_000),)),
+        ArmRoute("canary", "ckpt-2", ((9_000, 10_000),)),
+    )
     table = RoutingTable(production="ckpt-1", experiment=ExperimentRoute(7, "s", arms))
     users = [hash_user("k", f"u{n}") for n in range(2_000)]
     by_bucket = {user: bucket_bps("s", user) for user in users}
@@ -58,7 +69,7 @@ def test_the_routing_table_routes_arms_remainder_and_unserved_checkpoints() -> N
         assignment = table.assign(user, frozenset({"ckpt-1", "ckpt-2"}))
         if bucket < 3_000:
             assert (assignment.checkpoint, assignment.arm) == ("ckpt-1", "control")
-        elif bucket < 4_000:
+        elif bucket >= 9_000:
             assert (assignment.checkpoint, assignment.arm) == ("ckpt-2", "canary")
         else:
             assert (assignment.checkpoint, assignment.arm, assignment.experiment_id) == (
@@ -67,12 +78,103 @@ def test_the_routing_table_routes_arms_remainder_and_unserved_checkpoints() -> N
                 None,
             )
         unserved = table.assign(user, frozenset({"ckpt-1"}))
-        if 3_000 <= bucket < 4_000:
+        if bucket >= 9_000:
             assert unserved.checkpoint == "ckpt-1" and unserved.fallback
             assert unserved.arm == "canary"
         else:
             assert not unserved.fallback
     assert RoutingTable(production="ckpt-9").assign(users[0]).checkpoint == "ckpt-9"
+
+
+def test_treatments_grow_downward_from_the_top_and_control_keeps_the_lowest_free_buckets() -> None:
+    one = arm_ranges([ArmWeight("control", 9_000, True), ArmWeight("canary", 1_000, False)])
+    assert one == {"canary": ((9_000, 10_000),), "control": ((0, 9_000),)}
+    two = arm_ranges(
+        [
+            ArmWeight("control", 6_000, True),
+            ArmWeight("a", 1_000, False),
+            ArmWeight("b", 3_000, False),
+        ]
+    )
+    assert two == {
+        "a": ((9_000, 10_000),),
+        "b": ((2_000, 5_000),),
+        "control": ((0, 2_000), (5_000, 9_000)),
+    }
+    with pytest.raises(RegistryError) as refused:
+        check_layout(
+            [
+                ArmWeight("control", 2_000, True),
+                ArmWeight("a", 6_000, False),
+                ArmWeight("b", 2_000, False),
+            ]
+        )
+    assert refused.value.code == "weight_exceeds_slot"
+
+
+async def _assignments(engine: Engine, route: str, users: list[str]) -> dict[str, str | None]:
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        async with AsyncSession(async_engine) as session:
+            table = await load_routing_table(session, route)
+    finally:
+        await async_engine.dispose()
+    return {user: table.assign(user).arm for user in users}
+
+
+def test_ramping_a_canary_from_10_to_50_percent_moves_no_treatment_user_to_control(
+    engine: Engine,
+) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    route = f"ramp-{suffix}"
+    with session_scope(engine) as session:
+        for name in (f"ramp-base-{suffix}", f"ramp-canary-{suffix}"):
+            session.add(Checkpoint(name=name, status=CheckpointStatus.candidate, base_model="tiny"))
+        session.flush()
+        spec = ExperimentCreate(
+            name=f"ramp-{suffix}",
+            route=route,
+            arms=[
+                {
+                    "name": "control",
+                    "checkpoint": f"ramp-base-{suffix}",
+                    "weight_bps": 9_000,
+                    "is_control": True,
+                },
+                {"name": "treatment", "checkpoint": f"ramp-canary-{suffix}", "weight_bps": 1_000},
+            ],
+            start=True,
+        )
+        experiment_id = create_experiment(session, spec, Actor("ops")).id
+    users = [hash_user("k", f"user-{n}") for n in range(10_000)]
+
+    before = asyncio.run(_assignments(engine, route, users))
+    with session_scope(engine) as session:
+        ramp_experiment(
+            session, experiment_id, {"control": 5_000, "treatment": 5_000}, Actor("ops")
+        )
+    after = asyncio.run(_assignments(engine, route, users))
+
+    treated_before = {u for u, arm in before.items() if arm == "treatment"}
+    treated_after = {u for u, arm in after.items() if arm == "treatment"}
+    assert 0.08 < len(treated_before) / len(users) < 0.12
+    assert 0.47 < len(treated_after) / len(users) < 0.53
+    assert treated_before <= treated_after  # nobody left the treatment
+    assert all(after[u] in ("control", "treatment") for u in users)
+    moved = [u for u in users if before[u] != after[u]]
+    assert moved and all(before[u] == "control" and after[u] == "treatment" for u in moved)
+
+    # Back down would return treated users to control mid-experiment: refused; 0 stops the arm.
+    with session_scope(engine) as session, pytest.raises(RegistryError) as refused:
+        ramp_experiment(
+            session, experiment_id, {"control": 9_000, "treatment": 1_000}, Actor("ops")
+        )
+    assert refused.value.code == "treatment_weight_lowered"
+    with session_scope(engine) as session:
+        ramp_experiment(session, experiment_id, {"control": 10_000, "treatment": 0}, Actor("ops"))
+        stop_experiment(session, experiment_id, Actor("ops"))
+    stopped = asyncio.run(_assignments(engine, route, users[:100]))
+    assert set(stopped.values()) == {None}
 
 
 def users_in_halves(settings: Settings, salt: str) -> tuple[str, str]:

@@ -97,6 +97,16 @@ class RewardWeights(BaseModel):
     completion is judged alone."""
 
 
+# Formula 2: latency from time to first token and per output token, so a long, correct edit
+# is not punished for its length.
+_FORMULA_2 = RewardWeights(
+    kept_weight=1.0,
+    dissatisfied_penalty=0.5,
+    ttft_penalty=0.1,
+    tpot_penalty=0.1,
+    malformed_tool_call_penalty=1.0,
+    error_penalty=0.5,
+)
 REWARD_VERSIONS: dict[int, RewardWeights] = {
     1: RewardWeights(
         kept_weight=1.0,
@@ -105,27 +115,10 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
         malformed_tool_call_penalty=1.0,
         error_penalty=0.5,
     ),
-    # Latency from time to first token and per output token: a long, correct edit is not
-    # punished for its length.
-    2: RewardWeights(
-        kept_weight=1.0,
-        dissatisfied_penalty=0.5,
-        ttft_penalty=0.1,
-        tpot_penalty=0.1,
-        malformed_tool_call_penalty=1.0,
-        error_penalty=0.5,
-    ),
-    # Formula 2, with credit across an agent run's turns: the read and test turns that led
-    # to a kept edit share in it instead of counting as rejections.
-    3: RewardWeights(
-        kept_weight=1.0,
-        dissatisfied_penalty=0.5,
-        ttft_penalty=0.1,
-        tpot_penalty=0.1,
-        malformed_tool_call_penalty=1.0,
-        error_penalty=0.5,
-        turn_discount=0.9,
-    ),
+    2: _FORMULA_2,
+    # Formula 2 with credit across an agent run's turns: the read and test turns that led to
+    # a kept edit share in it instead of counting as rejections.
+    3: _FORMULA_2.model_copy(update={"turn_discount": 0.9}),
 }
 LATEST_REWARD_VERSION = max(REWARD_VERSIONS)
 

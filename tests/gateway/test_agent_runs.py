@@ -48,6 +48,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+def agent(server: Any, key: str, session: str) -> OpenAI:
+    """The official client, as an IDE agent configures it for one session."""
+    return OpenAI(
+        api_key=key,
+        base_url=f"{server.url}/v1",
+        default_headers={"X-Session-Id": session},
+        max_retries=0,
+    )
+
+
 def ask(
     client: OpenAI,
     messages: list[dict[str, Any]],
@@ -99,13 +109,7 @@ def results_of(message: dict[str, Any], result: str) -> list[dict[str, Any]]:
 def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
     gateway_server: Any, ide_key: str, kafka: Any, stream: bool
 ) -> None:
-    session = new_id("s")
-    client = OpenAI(
-        api_key=ide_key,
-        base_url=f"{gateway_server.url}/v1",
-        default_headers={"X-Session-Id": session},
-        max_retries=0,
-    )
+    client = agent(gateway_server, ide_key, new_id("s"))
     since = kafka.end_offsets(COMPLETIONS_TOPIC)
 
     # The tiny test model has not learned to call tools by itself, so the first two turns
@@ -157,12 +161,7 @@ def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
 def test_a_continuation_that_repeats_the_served_answer_starts_with_its_exact_tokens(
     gateway_server: Any, ide_key: str, kafka: Any
 ) -> None:
-    client = OpenAI(
-        api_key=ide_key,
-        base_url=f"{gateway_server.url}/v1",
-        default_headers={"X-Session-Id": new_id("s")},
-        max_retries=0,
-    )
+    client = agent(gateway_server, ide_key, new_id("s"))
     since = kafka.end_offsets(COMPLETIONS_TOPIC)
     ask_once = [{"role": "user", "content": "Write f(x) that returns x plus 3."}]
     first_id, answer = ask(client, ask_once, False, temperature=0.0)
@@ -184,12 +183,7 @@ def test_a_continuation_that_repeats_the_served_answer_starts_with_its_exact_tok
 def test_an_edited_history_starts_a_new_segment_and_a_header_names_the_parent(
     gateway_server: Any, ide_key: str, kafka: Any
 ) -> None:
-    client = OpenAI(
-        api_key=ide_key,
-        base_url=f"{gateway_server.url}/v1",
-        default_headers={"X-Session-Id": new_id("s")},
-        max_retries=0,
-    )
+    client = agent(gateway_server, ide_key, new_id("s"))
     since = kafka.end_offsets(COMPLETIONS_TOPIC)
     first_id, read = ask(
         client,
@@ -232,12 +226,7 @@ def test_an_edited_history_starts_a_new_segment_and_a_header_names_the_parent(
 def test_bad_agent_requests_get_a_clear_400_and_nothing_is_served(
     gateway_server: Any, ide_key: str, change: dict[str, Any], param: str | None
 ) -> None:
-    client = OpenAI(
-        api_key=ide_key,
-        base_url=f"{gateway_server.url}/v1",
-        default_headers={"X-Session-Id": new_id("s")},
-        max_retries=0,
-    )
+    client = agent(gateway_server, ide_key, new_id("s"))
     body: dict[str, Any] = {"model": "rtrl", "messages": TASK, "tools": TOOLS, **change}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(**body)

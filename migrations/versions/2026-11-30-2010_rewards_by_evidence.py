@@ -24,9 +24,7 @@ def upgrade() -> None:
     op.add_column(
         "samples", sa.Column("turn_index", sa.Integer(), server_default="0", nullable=False)
     )
-    op.add_column(
-        "samples", sa.Column("parent_request_id", sa.String(length=128), nullable=True)
-    )
+    op.add_column("samples", sa.Column("parent_request_id", sa.String(length=128), nullable=True))
     op.add_column("samples", sa.Column("token_prefix_match", sa.Boolean(), nullable=True))
     op.add_column(
         "samples", sa.Column("temperature", sa.Float(), server_default="1", nullable=False)

@@ -100,6 +100,10 @@ class Settings(BaseSettings):
     """How often workers test running canaries against their guardrails and roll back the
     harmful ones (seconds or ISO 8601); unset: only when ops ask (`/admin/guardrails/check`)."""
 
+    trust_proxy_headers: bool = False
+    """Behind a TLS-offloading proxy: take the scheme from X-Forwarded-Proto (dashboard cookies
+    are then marked Secure). Only where the proxy overwrites the header clients send."""
+
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
 

@@ -23,6 +23,7 @@ from app.admin.router import router as admin_router
 from app.analytics.dashboard import router as dashboard_router
 from app.analytics.router import router as analytics_router
 from app.auth.service import Authenticator, RateLimiter
+from app.auth.sessions import BrowserSessions
 from app.config import Settings, get_settings, refuse_development_secrets
 from app.db import make_async_engine
 from app.feedback.router import router as feedback_router
@@ -73,6 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.redis = redis
             app.state.sink = sink
             app.state.authenticator = Authenticator(session_maker)
+            app.state.browser_sessions = BrowserSessions(redis)
             app.state.rate_limiter = RateLimiter(redis, settings.rate_limit_per_minute)
             app.state.gateway = Gateway(
                 upstream=upstream,

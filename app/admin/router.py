@@ -37,6 +37,7 @@ from app.admin.schemas import (
 from app.auth import keys
 from app.auth.schemas import ApiKeyCreate, Principal
 from app.auth.service import Authenticator
+from app.auth.sessions import BrowserSessions
 from app.db import async_session_scope
 from app.http.dependencies import require_role
 from app.http.errors import ApiError, ErrorType
@@ -373,6 +374,12 @@ async def revoke_api_key(request: Request, principal: Ops, key_id: uuid.UUID) ->
         entry = await keys.revoke_api_key(session, key_id, actor_of(principal))
     authenticator: Authenticator = request.app.state.authenticator
     authenticator.forget(key_id)
+    sessions: BrowserSessions = request.app.state.browser_sessions
+    try:
+        await sessions.end_all(key_id)
+    except RedisError:
+        # The sessions stay, but authenticating through them fails with the revoked key.
+        log.warning("dashboard sessions of %s not ended: Redis unavailable", key_id)
     return Change.model_validate(entry)
 
 

@@ -1,8 +1,10 @@
 """`/dashboard`: the analysts' page, drawn in the browser from `/analytics/*` as SVG.
 
-Sign-in is an analyst key, sent once (the login form, or `/dashboard?key=...` for scripts)
-and then kept in an HttpOnly, SameSite=Strict cookie that the analytics API accepts. The
-page, its script and its styles are files in `static/`, served from here: no CDN.
+Sign-in is an analyst key, posted once by the login form and exchanged for a server-side
+session (`app.auth.sessions`): the cookie holds a random session id, never the key, is
+HttpOnly, SameSite=Strict and Secure (except on plain-HTTP loopback), expires, ends at
+logout and with the key's revocation. Keys are never accepted in URLs. The page, its script
+and its styles are files in `static/`, served from here: no CDN.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
 from app.analytics.dependencies import ANALYTICS_ROLES, SESSION_COOKIE, analyst
+from app.auth.service import hash_secret
+from app.auth.sessions import SESSION_SECONDS, BrowserSessions
+from app.config import Settings
 from app.http.dependencies import principal_for
 from app.http.errors import ApiError
 
@@ -22,7 +27,6 @@ router = APIRouter(tags=["dashboard"], include_in_schema=False)
 
 STATIC_DIR = Path(__file__).parent / "static"
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
-SESSION_SECONDS = 8 * 3600
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -37,9 +41,9 @@ SECURITY_HEADERS = {
 @router.get("/dashboard", response_class=HTMLResponse)
 async def dashboard(request: Request) -> Response:
     """The dashboard for an analyst; the sign-in form for anyone else."""
-    key = request.query_params.get("key")
-    if key is not None:
-        return await _sign_in(request, key)
+    if "key" in request.query_params:
+        # A key in a URL ends up in history, proxies and logs: sign in with the form.
+        return _login_page("API keys are not accepted in URLs; sign in here.", 400)
     try:
         await analyst(request)
     except ApiError as exc:
@@ -57,7 +61,11 @@ async def login(request: Request) -> Response:
 
 
 @router.post("/dashboard/logout")
-async def logout() -> Response:
+async def logout(request: Request) -> Response:
+    sessions: BrowserSessions = request.app.state.browser_sessions
+    session_id = request.cookies.get(SESSION_COOKIE)
+    if session_id:
+        await sessions.close(session_id)
     response = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response
@@ -86,17 +94,31 @@ async def _sign_in(request: Request, key: str) -> Response:
         return _login_page(
             f"This key has role {principal.role.value}; the dashboard needs analyst.", 403
         )
+    sessions: BrowserSessions = request.app.state.browser_sessions
+    session_id = await sessions.open(principal.key_id, hash_secret(key))
     response = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
     response.set_cookie(
         SESSION_COOKIE,
-        key,
+        session_id,
         max_age=SESSION_SECONDS,
         path="/",
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=_secure_cookie(request),
     )
     return response
+
+
+def _secure_cookie(request: Request) -> bool:
+    """Secure unless the browser reached this gateway over plain HTTP on loopback."""
+    settings: Settings = request.app.state.settings
+    scheme = request.url.scheme
+    if settings.trust_proxy_headers:
+        scheme = request.headers.get("x-forwarded-proto", scheme).split(",")[0].strip()
+    if scheme == "https":
+        return True
+    host = request.url.hostname or ""
+    return host not in ("localhost", "127.0.0.1", "::1") and not host.startswith("127.")
 
 
 def _login_page(message: str, status_code: int) -> HTMLResponse:

@@ -14,7 +14,7 @@ from app.http.dependencies import require_role
 from app.http.errors import ApiError
 from app.models import Role
 
-SESSION_COOKIE = "rtrl_dashboard_key"
+SESSION_COOKIE = "rtrl_dashboard_session"
 ANALYTICS_ROLES = frozenset({Role.analyst})
 
 analyst = require_role(*ANALYTICS_ROLES, cookie=SESSION_COOKIE)

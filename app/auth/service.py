@@ -162,7 +162,10 @@ class Authenticator:
     async def _authenticate(self, secret: str) -> Principal:
         if not secret.startswith(SECRET_PREFIX):
             raise AuthError("invalid API key")
-        key_hash = hash_secret(secret)
+        return await self.authenticate_hash(hash_secret(secret))
+
+    async def authenticate_hash(self, key_hash: str) -> Principal:
+        """The principal of a key by its stored hash (a browser session holds only that)."""
         now = time.monotonic()
         if self._unknown.get(key_hash, 0.0) > now:
             raise AuthError("invalid or revoked API key")

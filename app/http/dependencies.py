@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -17,6 +18,7 @@ from app.auth.service import (
     AuthUnavailable,
     RateLimiter,
 )
+from app.auth.sessions import BrowserSessions
 from app.http.errors import ApiError
 from app.models import Role
 
@@ -48,28 +50,24 @@ def bearer_secret(request: Request) -> str:
     return secret.strip()
 
 
-def presented_secret(request: Request, cookie: str | None) -> str:
-    """The key from the Authorization header, else (where a cookie is named) from the cookie."""
-    if cookie is not None and not request.headers.get("authorization"):
-        secret = request.cookies.get(cookie, "")
-        if secret:
-            return secret
-    return bearer_secret(request)
-
-
 def require_role(
     *roles: Role, cookie: str | None = None
 ) -> Callable[[Request], Awaitable[Principal]]:
     """A dependency admitting keys of the given roles, within their rate limit.
 
-    With `cookie`, a browser may present the key in that cookie instead of the header.
-    An authentication outage is a 503 with `Retry-After` on every route that uses it.
+    With `cookie`, a browser may instead present a dashboard session (see
+    `app.auth.sessions`) in that cookie. An authentication outage is a 503 with
+    `Retry-After` on every route that uses it.
     """
     allowed = frozenset(roles)
     names = ", ".join(sorted(role.value for role in allowed))
 
     async def authorized_principal(request: Request) -> Principal:
-        principal = await principal_for(request, presented_secret(request, cookie))
+        session_id = request.cookies.get(cookie, "") if cookie is not None else ""
+        if session_id and not request.headers.get("authorization"):
+            principal = await session_principal(request, session_id)
+        else:
+            principal = await principal_for(request, bearer_secret(request))
         if principal.role not in allowed:
             raise ApiError(
                 403,
@@ -91,8 +89,30 @@ async def principal_for(request: Request, secret: str) -> Principal:
     """
     authenticator: Authenticator = request.app.state.authenticator
     client = request.client.host if request.client is not None else None
-    try:
+    with _authentication_errors():
         return await authenticator.authenticate(secret, client)
+
+
+async def session_principal(request: Request, session_id: str) -> Principal:
+    """The principal of a dashboard session; 401 once it expired, ended or its key was
+    revoked."""
+    sessions: BrowserSessions = request.app.state.browser_sessions
+    authenticator: Authenticator = request.app.state.authenticator
+    with _authentication_errors():
+        try:
+            key_hash = await sessions.key_hash(session_id)
+        except RedisError as exc:
+            raise AuthUnavailable(str(exc)) from exc
+        if key_hash is None:
+            raise AuthError("session expired or ended; sign in again")
+        return await authenticator.authenticate_hash(key_hash)
+
+
+@contextmanager
+def _authentication_errors() -> Iterator[None]:
+    """Authentication failures as the OpenAI error shape: 401, 429 or 503."""
+    try:
+        yield
     except AuthThrottled as exc:
         raise ApiError(
             429,
@@ -106,7 +126,7 @@ async def principal_for(request: Request, secret: str) -> Principal:
             401, f"{exc}.", type="authentication_error", code="invalid_api_key"
         ) from None
     except AuthUnavailable:
-        log.warning("API key not checked: Postgres unavailable", exc_info=True)
+        log.warning("API key not checked: Postgres or Redis unavailable", exc_info=True)
         raise ApiError(
             503,
             "API keys cannot be checked right now; retry shortly.",

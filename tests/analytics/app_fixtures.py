@@ -89,7 +89,10 @@ def app_settings(
 
 @pytest.fixture(scope="session")
 def client(app_settings: Settings) -> Iterator[TestClient]:
-    with TestClient(include_routers(create_app(app_settings))) as client:
+    # Loopback over plain HTTP, as a local browser: the dashboard cookie is not Secure there.
+    with TestClient(
+        include_routers(create_app(app_settings)), base_url="http://127.0.0.1"
+    ) as client:
         yield client
 
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -22,9 +26,11 @@ from sqlalchemy import Engine, select
 
 from app.abtest.rollups import refresh_rollups
 from app.analytics.dependencies import SESSION_COOKIE
+from app.auth.service import hash_secret
 from app.config import Settings
 from app.db import session_scope
-from app.models import Alert, Checkpoint, Role
+from app.main import create_app
+from app.models import Alert, ApiKey, Checkpoint, Role
 from tests.analytics.app_fixtures import include_routers
 from tests.analytics.conftest import Behaviour, SeededArm
 from tests.gateway.conftest import GatewayServer
@@ -73,6 +79,35 @@ def dashboard_server(app_settings: Settings, tmp_path: Path) -> Iterator[Gateway
     server.stop()
 
 
+@contextmanager
+def sign_in_page(dashboard: str, key: str) -> Iterator[str]:
+    """A page that posts the login form on load, as an analyst signing in would: served
+    from another port of the same host (same site, so the Strict cookie follows)."""
+    page = (
+        f'<form method="post" action="{dashboard}/dashboard/login">'
+        f'<input name="key" value="{key}"></form><script>document.forms[0].submit()</script>'
+    ).encode()
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def chromium(url: str, profile: Path, *flags: str) -> str:
     result = subprocess.run(
         [
@@ -102,9 +137,8 @@ def test_the_dashboard_draws_its_charts_in_a_real_browser(
     make_key: Callable[..., str],
     tmp_path: Path,
 ) -> None:
-    url = f"{dashboard_server.url}/dashboard?key={make_key(Role.analyst)}"
-
-    dom = chromium(url, tmp_path / "dom-profile", "--dump-dom")
+    with sign_in_page(dashboard_server.url, make_key(Role.analyst)) as url:
+        dom = chromium(url, tmp_path / "dom-profile", "--dump-dom")
 
     assert 'data-ready="true"' in dom, dom[-3000:]
     assert len(re.findall(r"<svg[^>]*data-metric=", dom)) >= 8
@@ -116,7 +150,8 @@ def test_the_dashboard_draws_its_charts_in_a_real_browser(
     assert "Sample ratio OK" in dom
 
     screenshot = tmp_path / "dashboard.png"
-    chromium(url, tmp_path / "png-profile", f"--screenshot={screenshot}")
+    with sign_in_page(dashboard_server.url, make_key(Role.analyst)) as url:
+        chromium(url, tmp_path / "png-profile", f"--screenshot={screenshot}")
     rgb = np.asarray(Image.open(screenshot).convert("RGB"), dtype=np.int64).reshape(-1, 3)
     packed = rgb[:, 0] << 16 | rgb[:, 1] << 8 | rgb[:, 2]
     background = np.bincount(packed).argmax()
@@ -132,9 +167,10 @@ def test_signing_in_sets_an_http_only_cookie_and_refuses_other_roles(
     assert client.get("/dashboard").status_code == 401
     assert client.get("/analytics/experiments").status_code == 401
 
+    key = make_key(Role.analyst)
     signed_in = client.post(
         "/dashboard/login",
-        content=f"key={make_key(Role.analyst)}",
+        content=f"key={key}",
         follow_redirects=False,
         headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
@@ -146,6 +182,8 @@ def test_signing_in_sets_an_http_only_cookie_and_refuses_other_roles(
         and "HttpOnly" in cookie
         and "SameSite=strict" in cookie
     )
+    assert key not in cookie  # a random session id, never the key
+    assert "Secure" not in cookie  # plain HTTP on loopback, where a browser would drop it
     page = client.get("/dashboard")
     assert page.status_code == 200 and "/dashboard/static/dashboard.js" in page.text
     assert "script-src 'self'" in page.headers["content-security-policy"]
@@ -154,6 +192,59 @@ def test_signing_in_sets_an_http_only_cookie_and_refuses_other_roles(
     assert client.get("/dashboard/static/..%2Fdashboard.py").status_code == 404
     client.cookies.clear()
 
-    refused = client.get(f"/dashboard?key={make_key(Role.ops)}", follow_redirects=False)
+    refused = client.post(
+        "/dashboard/login",
+        content=f"key={make_key(Role.ops)}",
+        follow_redirects=False,
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert refused.status_code == 403 and "needs analyst" in refused.text
-    assert client.get("/dashboard?key=rtrl_nope", follow_redirects=False).status_code == 401
+    # A key in a URL would end up in history and logs: refused, whatever the key.
+    in_url = client.get(f"/dashboard?key={make_key(Role.analyst)}", follow_redirects=False)
+    assert in_url.status_code == 400 and "set-cookie" not in in_url.headers
+
+
+def sign_in(client: TestClient, key: str, **headers: str) -> Any:
+    return client.post(
+        "/dashboard/login",
+        content=f"key={key}",
+        follow_redirects=False,
+        headers={"Content-Type": "application/x-www-form-urlencoded", **headers},
+    )
+
+
+def test_revoking_the_key_ends_its_dashboard_sessions(
+    client: TestClient, make_key: Callable[..., str], app_engine: Engine
+) -> None:
+    client.cookies.clear()
+    key = make_key(Role.analyst)
+    assert sign_in(client, key).status_code == 303
+    assert client.get("/analytics/experiments").status_code == 200
+    with session_scope(app_engine) as session:
+        key_id = session.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_secret(key)))
+    ops = {"Authorization": f"Bearer {make_key(Role.ops)}"}
+
+    assert client.post(f"/admin/api-keys/{key_id}/revoke", headers=ops).status_code == 200
+
+    assert client.get("/analytics/experiments").status_code == 401
+    assert client.get("/dashboard").status_code == 401
+    client.cookies.clear()
+
+
+def test_the_session_cookie_is_secure_behind_a_trusted_tls_proxy(
+    app_settings: Settings, make_key: Callable[..., str]
+) -> None:
+    proxied = app_settings.model_copy(update={"trust_proxy_headers": True})
+    with TestClient(include_routers(create_app(proxied)), base_url="http://127.0.0.1") as client:
+        behind_tls = sign_in(client, make_key(Role.analyst), **{"X-Forwarded-Proto": "https"})
+        assert "Secure" in behind_tls.headers["set-cookie"]
+    with TestClient(
+        include_routers(create_app(app_settings)), base_url="http://127.0.0.1"
+    ) as client:
+        untrusted = sign_in(client, make_key(Role.analyst), **{"X-Forwarded-Proto": "https"})
+        assert "Secure" not in untrusted.headers["set-cookie"]
+    with TestClient(
+        include_routers(create_app(app_settings)), base_url="http://rtrl.example"
+    ) as client:
+        remote = sign_in(client, make_key(Role.analyst))
+        assert "Secure" in remote.headers["set-cookie"]

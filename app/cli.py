@@ -27,7 +27,7 @@ from app.serving.checkpoints import (
 from app.serving.replicas import ReplicaError
 from app.serving.vllm import VllmServer
 from app.simulator.command import simulate_command
-from trainer.config import TrainConfig
+from trainer.config import load_train_settings, train_config_from_env, with_explicit_settings
 from trainer.lock import CycleBusy
 
 cli = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -317,6 +317,8 @@ def up(
     """The whole embedded stack: services, base model, vLLM, gateway, workers, trainer."""
     from app.launcher import FullStack
 
+    if trainer and not down:
+        load_train_settings()  # the trainer would stop on a bad RTRL_TRAIN_* value: stop now
     stack = FullStack.from_settings(
         get_settings(), workers=workers, trainer=trainer, progress=typer.echo
     )
@@ -383,32 +385,46 @@ def rewards_recompute(
 @cli.command("train")
 def train(
     once: bool = typer.Option(True, "--once", help="Run one cycle now and exit."),
-    min_samples: int = typer.Option(TrainConfig.min_samples, help="Skip below this many samples."),
-    learning_rate: float = typer.Option(TrainConfig.learning_rate, help="AdamW learning rate."),
-    epochs: int = typer.Option(TrainConfig.epochs, help="Passes over the batch."),
+    min_samples: int | None = typer.Option(
+        None, min=1, help="Skip below this many samples (default: RTRL_TRAIN_MIN_SAMPLES)."
+    ),
+    learning_rate: float | None = typer.Option(
+        None, min=0.0, help="AdamW learning rate (default: RTRL_TRAIN_LEARNING_RATE)."
+    ),
+    epochs: int | None = typer.Option(
+        None, min=1, help="Passes over the batch (default: RTRL_TRAIN_EPOCHS)."
+    ),
 ) -> None:
-    """Run one training cycle on the production checkpoint's rewards (`--once`)."""
+    """Run one training cycle on the production checkpoint's rewards (`--once`); under
+    `torchrun --nproc-per-node N` it trains on N devices."""
     from trainer.cycle import run_cycle
-    from trainer.task_family import task_family_held_out
+    from trainer.distributed import join_world, leave_world
+    from trainer.gates import held_out_for
 
     settings = get_settings()
-    config = TrainConfig(min_samples=min_samples, learning_rate=learning_rate, epochs=epochs)
+    config = train_config_from_env(
+        min_samples=min_samples, learning_rate=learning_rate, epochs=epochs
+    )
+    world = join_world()
     engine = make_engine(settings.database_url)
     try:
         result = run_cycle(
             settings,
             config,
             engine=engine,
-            held_out=task_family_held_out(config),
-            progress=typer.echo,
+            held_out=held_out_for(config, engine),
+            progress=typer.echo if world.is_main else (lambda line: None),
+            world=world,
         )
     finally:
         engine.dispose()
-    typer.echo(
-        f"run {result.run_id}: {result.status}"
-        + (f" ({result.reason})" if result.reason else "")
-        + (f" -> {result.checkpoint}" if result.checkpoint else "")
-    )
+        leave_world(world)
+    if world.is_main:
+        typer.echo(
+            f"run {result.run_id}: {result.status}"
+            + (f" ({result.reason})" if result.reason else "")
+            + (f" -> {result.checkpoint}" if result.checkpoint else "")
+        )
 
 
 @cli.command("healthcheck")
@@ -429,28 +445,37 @@ def healthcheck(
 
 @cli.command("trainer")
 def trainer_loop() -> None:
-    """Run a training cycle every RTRL_TRAIN_INTERVAL until interrupted (one at a time)."""
+    """Run a training cycle every RTRL_TRAIN_INTERVAL until interrupted (one at a time);
+    under `torchrun --nproc-per-node N` each cycle trains on N devices."""
     import logging
     import signal
     import threading
 
+    from trainer.distributed import join_world, leave_world
+    from trainer.gates import held_out_for
     from trainer.scheduler import run_scheduler
-    from trainer.task_family import task_family_held_out
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = get_settings()
+    config = train_config_from_env()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    world = join_world()
     engine = make_engine(settings.database_url)
     try:
-        config = TrainConfig()
         run_scheduler(
-            settings, config, engine=engine, held_out=task_family_held_out(config), stop=stop
+            settings,
+            config,
+            engine=engine,
+            held_out=held_out_for(config, engine),
+            stop=stop,
+            world=world,
         )
     except KeyboardInterrupt:
         pass
     finally:
         engine.dispose()
+        leave_world(world)
 
 
 cli.command("simulate")(simulate_command)
@@ -469,6 +494,7 @@ def demo(
     config = DemoConfig(
         cycles=cycles, train_users=users, eval_users=eval_users, keep_running=keep_running
     )
+    config.train = with_explicit_settings(config.train)
     summary = run_demo(get_settings(), config, progress=typer.echo)
     if summary.ci_low is None or summary.ci_low <= 0:
         raise typer.Exit(code=2)

@@ -33,7 +33,7 @@ from app.registry.routing import notify_routing_changed_sync
 from app.simulator.run import simulate
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
-from trainer.task_family import task_family_held_out
+from trainer.gates import held_out_for
 
 Progress = Callable[[str], None]
 
@@ -62,14 +62,14 @@ class DemoConfig:
             epochs=4,
             learning_rate=2e-3,
             minibatch_size=64,
-            micro_batch_size=32,
             eval_tasks=64,
             eval_max_regression=0.1,
             eval_max_kl=2.0,
             threads=1,
         )
     )
-    """The training cycle's settings (a larger step than production's default)."""
+    """The training cycle's settings (a larger step than production's default); any
+    `RTRL_TRAIN_*` variable that is set overrides them (`rtrl demo` applies it)."""
 
 
 @dataclass
@@ -285,7 +285,7 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
                 settings,
                 config.train,
                 engine=engine,
-                held_out=task_family_held_out(config.train),
+                held_out=held_out_for(config.train, engine),
                 progress=lambda line: progress(f"  {line}"),
                 on_published=lambda: notify_routing_changed_sync(settings.redis_url),
             )

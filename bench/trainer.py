@@ -50,6 +50,7 @@ from trainer.data import TrainingSample, select_on_policy_batch
 from trainer.generation import prompt_ids
 from trainer.policy import load_trainable_policy, pick_device
 from trainer.task_family import task_family_held_out
+from trainer.update import micro_batches as pack
 
 
 def load_average() -> str:
@@ -127,18 +128,17 @@ def on_policy_samples(engine: Engine) -> list[TrainingSample]:
 
 
 def micro_batches(samples: list[TrainingSample], config: TrainConfig) -> list[CompletionBatch]:
-    """The micro-batches `update_policy` forms, epoch by epoch, from the same generator."""
+    """The micro-batches `update_policy` forms on one rank, epoch by epoch, from the same
+    generator."""
     generator = torch.Generator().manual_seed(config.seed)
+    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
     batches = []
     for _ in range(config.epochs):
         order = torch.randperm(len(samples), generator=generator).tolist()
         for start in range(0, len(order), config.minibatch_size):
             minibatch = order[start : start + config.minibatch_size]
-            for micro_start in range(0, len(minibatch), config.micro_batch_size):
-                micro = [
-                    samples[i]
-                    for i in minibatch[micro_start : micro_start + config.micro_batch_size]
-                ]
+            for group in pack(minibatch, lengths, config.micro_batch_tokens):
+                micro = [samples[i] for i in group]
                 batches.append(
                     completion_batch(
                         [s.prompt_token_ids for s in micro], [s.completion_token_ids for s in micro]

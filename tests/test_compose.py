@@ -14,6 +14,7 @@ from sqlalchemy import Engine
 from app.config import Settings, settings_environment
 from app.embedded.stack import EmbeddedStack
 from app.launcher import RtrlProcess
+from trainer.config import TrainSettings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 
@@ -32,11 +33,24 @@ def test_compose_uses_only_real_settings_and_has_every_part() -> None:
         "trainer",
     } <= set(services)
     known = {f"RTRL_{name.upper()}" for name in Settings.model_fields}
+    known |= {f"RTRL_TRAIN_{name.upper()}" for name in TrainSettings.model_fields}
     for name, service in services.items():
         assert "healthcheck" in service or service.get("restart") == "no", name
         for variable in service.get("environment", {}):
             if variable.startswith("RTRL_"):
                 assert variable in known, f"{name} sets unknown {variable}"
+    # The trainer runs under torchrun: one rank per GPU of its reservation.
+    trainer = services["trainer"]
+    entrypoint = trainer["entrypoint"]
+    assert entrypoint[0] == "torchrun" and entrypoint[-2:] == ["-m", "app.cli"]
+    gpus = trainer["deploy"]["resources"]["reservations"]["devices"][0]["count"]
+    assert f"--nproc-per-node={gpus}" in entrypoint
+    train_env = {
+        name.removeprefix("RTRL_TRAIN_").lower(): value
+        for name, value in trainer["environment"].items()
+        if name.startswith("RTRL_TRAIN_") and name != "RTRL_TRAIN_INTERVAL"
+    }
+    assert TrainSettings(**train_env).eval_gate == "logged_traffic"
     rtrl_env = services["gateway"]["environment"]
     assert {"RTRL_DATABASE_URL", "RTRL_KAFKA_BOOTSTRAP_SERVERS", "RTRL_REDIS_URL"} <= set(rtrl_env)
 

@@ -1,9 +1,18 @@
-"""The trainer's knobs, one typed dataclass."""
+"""The trainer's knobs, one typed dataclass, and the `RTRL_TRAIN_*` variables that set them."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from app.config import SettingsError
+
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+EvalGate = Literal["task_family", "logged_traffic"]
 
 
 @dataclass
@@ -20,9 +29,15 @@ class TrainConfig:
     epochs: int = 2
     """Passes over the on-policy batch."""
     minibatch_size: int = 64
-    """Samples per optimizer step (split into micro-batches for gradient accumulation)."""
-    micro_batch_size: int = 16
-    """Samples per forward/backward pass; gradients accumulate up to `minibatch_size`."""
+    """Samples per optimizer step, across every rank (split into micro-batches)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens (rows × longest prompt+completion) per forward/backward pass; gradients
+    accumulate over a minibatch's micro-batches, so this bounds memory, not the update."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory for long sequences, ~30% slower."""
+    dtype: Dtype = "auto"
+    """Precision of the policy's weights and forward pass: bf16, fp16 or fp32; auto is bf16 on
+    CUDA and fp32 on CPU, as vLLM serves. LoRA weights and the optimizer stay in fp32."""
     learning_rate: float = 5e-4
     """AdamW learning rate for the LoRA; conservative, since a large step undoes a good policy."""
     max_grad_norm: float = 1.0
@@ -48,26 +63,138 @@ class TrainConfig:
             "down_proj",
         ]
     )
-    """Linear layers that get adapters."""
-    drift_tolerance: float = 1e-3
-    """Max |logged − recomputed| logprob on the probe before training is refused."""
-    drift_probe_size: int = 32
-    """Samples recomputed to check serving/training drift."""
+    """Linear layers that get adapters (["all-linear"]: every linear layer but the head)."""
+    drift_max_abs: float | None = None
+    """Refuse when any token's |logged − recomputed| logprob exceeds this; None: the dtype's
+    default (see trainer/drift.py), inf: no limit."""
+    drift_mean_abs: float | None = None
+    """Refuse when the mean |logged − recomputed| logprob over the batch exceeds this."""
+    drift_kl: float | None = None
+    """Refuse when the mean per-token KL(vLLM ‖ trainer) estimate (k3) exceeds this."""
+    drift_capped_share: float | None = None
+    """Refuse when more than this share of tokens have their importance weight capped at
+    `tis_cap`."""
+    eval_gate: EvalGate = "task_family"
+    """What the evaluation gate scores candidates on: the toy task family's held-out tasks,
+    or production's logged held-out traffic (kept against rejected completions)."""
     eval_tasks: int = 128
-    """Held-out tasks in the evaluation gate."""
+    """Held-out tasks (task_family) or most recent kept and rejected completions each
+    (logged_traffic) in the evaluation gate."""
     eval_max_new_tokens: int = 48
-    """Generation length in the evaluation gate."""
+    """Generation length in the task-family gate."""
     eval_max_regression: float = 0.05
     """Held-out pass rate may drop at most this much against production."""
     eval_max_kl: float = 0.5
     """Mean per-token KL(new ‖ production) on held-out prompts above this: reject."""
+    eval_traffic_percent: int = 10
+    """With the logged_traffic gate: this percent of production traffic (by sample id) is
+    never trained on and is what the gate scores."""
     canary_bps: int = 1000
     """Share of users routed to the new checkpoint, in basis points (10%)."""
     threads: int = 0
     """Torch CPU threads for the cycle; 0 keeps torch's default. Beside a local vLLM on a
     2-core machine, 1 is several times faster than 2 (the threads wait on each other)."""
     device: str = ""
-    """"" picks CUDA when available, else CPU."""
+    """"" picks CUDA when available (the local rank's device under torchrun), else CPU."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class TrainSettings(BaseSettings):
+    """`RTRL_TRAIN_<FIELD>` for each TrainConfig field of the same name, validated."""
+
+    model_config = SettingsConfigDict(env_prefix="RTRL_TRAIN_", extra="ignore")
+
+    seed: int = 0
+    min_samples: int = Field(default=64, ge=1)
+    min_new_samples: int = Field(default=64, ge=0)
+    max_samples: int = Field(default=4096, ge=1)
+    epochs: int = Field(default=2, ge=1)
+    minibatch_size: int = Field(default=64, ge=1)
+    micro_batch_tokens: int = Field(default=8192, ge=1)
+    gradient_checkpointing: bool = False
+    dtype: Dtype = "auto"
+    learning_rate: float = Field(default=5e-4, gt=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
+    tis_cap: float = Field(default=2.0, gt=1)
+    kl_coef: float = Field(default=0.0, ge=0)
+    lora_rank: int = Field(default=16, ge=1)
+    lora_alpha: int = Field(default=32, ge=1)
+    lora_target_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: TrainConfig().lora_target_modules, min_length=1
+    )
+    drift_max_abs: float | None = Field(default=None, ge=0)
+    drift_mean_abs: float | None = Field(default=None, ge=0)
+    drift_kl: float | None = Field(default=None, ge=0)
+    drift_capped_share: float | None = Field(default=None, ge=0, le=1)
+    eval_gate: EvalGate = "task_family"
+    eval_tasks: int = Field(default=128, ge=1)
+    eval_max_new_tokens: int = Field(default=48, ge=1)
+    eval_max_regression: float = Field(default=0.05, ge=0)
+    eval_max_kl: float = Field(default=0.5, ge=0)
+    eval_traffic_percent: int = Field(default=10, ge=1, le=50)
+    canary_bps: int = Field(default=1000, ge=1, le=9999)
+    threads: int = Field(default=0, ge=0)
+    device: str = ""
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_aliases(cls, value: object) -> object:
+        aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
+        return aliases.get(str(value).lower(), str(value).lower()) if value else value
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator(
+        "drift_max_abs", "drift_mean_abs", "drift_kl", "drift_capped_share", mode="before"
+    )
+    @classmethod
+    def _unset_is_default(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        kind, _, index = value.partition(":")
+        if value and (kind not in ("cpu", "cuda") or (index and not index.isdigit())):
+            raise ValueError("must be empty, cpu, cuda or cuda:N")
+        return value
+
+    def train_config(self, **overrides: Any) -> TrainConfig:
+        """The TrainConfig these settings describe, with `overrides` (None: not overridden)."""
+        values = self.model_dump()
+        values.update({name: value for name, value in overrides.items() if value is not None})
+        return TrainConfig(**values)
+
+    def explicit(self) -> dict[str, Any]:
+        """Only the fields set in the environment: for callers with defaults of their own."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
+
+
+def load_train_settings() -> TrainSettings:
+    """Read the trainer's settings from the environment, or fail naming the bad variable."""
+    try:
+        return TrainSettings()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "?"
+            problems.append(f"RTRL_TRAIN_{name.upper()}: {error['msg']}")
+        raise SettingsError("invalid settings: " + "; ".join(problems)) from None
+
+
+def train_config_from_env(**overrides: Any) -> TrainConfig:
+    """TrainConfig from `RTRL_TRAIN_*`, with command-line `overrides` (None: not given)."""
+    return load_train_settings().train_config(**overrides)
+
+
+def with_explicit_settings(config: TrainConfig) -> TrainConfig:
+    """`config` (a caller's own defaults, e.g. the demo's) with whatever `RTRL_TRAIN_*` sets."""
+    return dataclasses.replace(config, **load_train_settings().explicit())

@@ -1,4 +1,9 @@
-"""One training cycle: select, check drift, update, evaluate, publish as a canary."""
+"""One training cycle: select, check drift, update, evaluate, publish as a canary.
+
+Under `torchrun` every rank calls `run_cycle`: rank 0 takes the trainer lock, selects the
+batch and shares it; every rank measures drift and trains on its share; rank 0 evaluates,
+saves and publishes, and shares the outcome (`trainer.distributed`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import logging
 import os
 import random
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,13 +33,15 @@ from app.models import (
 from app.registry.audit import Actor
 from app.registry.experiments import start_canary
 from app.serving.checkpoints import publish_checkpoint, reconcile
-from app.serving.parity import batch_logprobs, completion_batch, completion_logprobs, logprob_drift
+from app.serving.parity import CompletionBatch
 from trainer.config import TrainConfig
 from trainer.data import OnPolicyBatch, TrainingSample, select_on_policy_batch
-from trainer.evaluate import HeldOut, gate, mean_kl, next_token_logprobs
+from trainer.distributed import SINGLE, World, share
+from trainer.drift import drift_limits, measure_drift
+from trainer.evaluate import HeldOut, HeldOutUnavailable, gate, kl_to_production, trainable_state
 from trainer.lock import trainer_lock
-from trainer.loss import LossStats, advantages, policy_gradient_loss
-from trainer.policy import load_trainable_policy, pick_device
+from trainer.policy import load_trainable_policy, pick_device, policy_dtype
+from trainer.update import sharded_logprobs, update_policy
 
 log = logging.getLogger("rtrl.trainer")
 TRAINER_ACTOR = Actor("trainer")
@@ -51,6 +57,18 @@ class CycleResult:
     checkpoint: str | None
 
 
+@dataclass(frozen=True)
+class CyclePlan:
+    """What rank 0 decided to train on, shared with every rank."""
+
+    run_id: int
+    production_id: int
+    production_name: str
+    production_adapter: str | None
+    samples: list[TrainingSample]
+    window: tuple[datetime | None, datetime | None]
+
+
 def run_cycle(
     settings: Settings,
     config: TrainConfig,
@@ -60,9 +78,13 @@ def run_cycle(
     progress: Callable[[str], None] = log.info,
     on_published: Callable[[], None] | None = None,
     trigger: CycleTrigger = CycleTrigger.manual,
+    world: World = SINGLE,
 ) -> CycleResult:
     """Run one cycle under the trainer lock and record it as a training run; `held_out` is
-    what the evaluation gate scores the candidate on."""
+    what the evaluation gate scores the candidate on. On a rank other than 0: train with
+    rank 0, and return its outcome."""
+    if not world.is_main:
+        return follow_cycle(settings, config, world)
     with trainer_lock(engine):
         return run_locked_cycle(
             settings,
@@ -72,6 +94,7 @@ def run_cycle(
             progress=progress,
             on_published=on_published,
             trigger=trigger,
+            world=world,
         )
 
 
@@ -84,21 +107,46 @@ def run_locked_cycle(
     progress: Callable[[str], None] = log.info,
     on_published: Callable[[], None] | None = None,
     trigger: CycleTrigger = CycleTrigger.manual,
+    world: World = SINGLE,
 ) -> CycleResult:
-    """`run_cycle` for a caller that holds the trainer lock already."""
-    if abandon_crashed_runs(engine):
-        # A run that died while publishing may have left its adapter on a replica.
-        report = reconcile(engine, settings.vllm_urls)
-        for replica, names in report.unloaded.items():
-            progress(f"unloaded unregistered {', '.join(names)} from {replica}")
-        for error in report.errors:
-            progress(f"reconcile: {error}")
-    run_id, production, batch, previous = open_run(engine, config, trigger)
-    progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
-    skip = skip_reason(batch, previous, config)
-    if skip is not None:
-        progress(f"run {run_id}: skipped: {skip}")
-        return finish_run(engine, run_id, TrainingRunStatus.skipped, reason=skip)
+    """`run_cycle` for a caller that holds the trainer lock already (rank 0)."""
+    try:
+        if abandon_crashed_runs(engine):
+            # A run that died while publishing may have left its adapter on a replica.
+            report = reconcile(engine, settings.vllm_urls)
+            for replica, names in report.unloaded.items():
+                progress(f"unloaded unregistered {', '.join(names)} from {replica}")
+            for error in report.errors:
+                progress(f"reconcile: {error}")
+        run_id, production, batch, previous = open_run(
+            engine, config, trigger, held_out.withheld_percent
+        )
+        progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
+        skip = skip_reason(batch, previous, config)
+        reference = None
+        if skip is None:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(settings.base_model_path)
+            try:
+                reference = held_out.reference(tokenizer)
+            except HeldOutUnavailable as exc:
+                skip = str(exc)
+        if skip is not None or reference is None:
+            progress(f"run {run_id}: skipped: {skip}")
+            skipped = finish_run(engine, run_id, TrainingRunStatus.skipped, reason=skip)
+            return share(skipped, world)
+    except BaseException:
+        nothing: CyclePlan | CycleResult | None = None
+        share(nothing, world)  # the other ranks stop waiting
+        raise
+    plan = CyclePlan(
+        run_id=run_id,
+        production_id=production.id,
+        production_name=production.name,
+        production_adapter=production.adapter_path,
+        samples=batch.samples,
+        window=(batch.window_start, batch.window_end),
+    )
+    share(plan, world)
     threads = torch.get_num_threads()
     try:
         if config.threads:
@@ -106,17 +154,34 @@ def run_locked_cycle(
         return train_and_publish(
             settings,
             config,
-            engine,
-            run_id,
-            production,
-            batch,
-            held_out,
-            progress,
-            on_published,
+            plan,
+            engine=engine,
+            held_out=held_out,
+            reference=reference,
+            progress=progress,
+            on_published=on_published,
+            world=world,
         )
     except Exception as exc:
         finish_run(engine, run_id, TrainingRunStatus.failed, reason=f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        torch.set_num_threads(threads)
+
+
+def follow_cycle(settings: Settings, config: TrainConfig, world: World) -> CycleResult:
+    """A rank other than 0: wait for rank 0's plan, train with it, return its outcome."""
+    plan: CyclePlan | CycleResult | None = None
+    plan = share(plan, world)
+    if plan is None:
+        raise RuntimeError("rank 0 failed before it shared its plan; see its log")
+    if isinstance(plan, CycleResult):
+        return plan  # nothing to train
+    threads = torch.get_num_threads()
+    try:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        return train_and_publish(settings, config, plan, world=world)
     finally:
         torch.set_num_threads(threads)
 
@@ -142,7 +207,7 @@ def this_trainer() -> str:
 
 
 def open_run(
-    engine: Engine, config: TrainConfig, trigger: CycleTrigger
+    engine: Engine, config: TrainConfig, trigger: CycleTrigger, withheld_percent: int = 0
 ) -> tuple[int, Checkpoint, OnPolicyBatch, TrainingRun | None]:
     """Record a running run on the production checkpoint's batch; also returns the last run
     that trained from that checkpoint, if any."""
@@ -154,7 +219,9 @@ def open_run(
             raise RuntimeError(
                 "no production checkpoint; run `rtrl serve` once to register the base"
             )
-        batch = select_on_policy_batch(session, production, max_samples=config.max_samples)
+        batch = select_on_policy_batch(
+            session, production, max_samples=config.max_samples, withheld_percent=withheld_percent
+        )
         previous = session.scalar(
             select(TrainingRun)
             .where(
@@ -228,97 +295,158 @@ def finish_run(
 def train_and_publish(
     settings: Settings,
     config: TrainConfig,
+    plan: CyclePlan,
+    *,
+    engine: Engine | None = None,
+    held_out: HeldOut | None = None,
+    reference: CompletionBatch | None = None,
+    progress: Callable[[str], None] = log.debug,
+    on_published: Callable[[], None] | None = None,
+    world: World = SINGLE,
+) -> CycleResult:
+    """Every rank: drift check and update. Rank 0 (which alone gets `engine`, `held_out` and
+    its `reference`): evaluation gate, save, publish, canary, and the run's record."""
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    device = pick_device(config, world)
+    dtype = policy_dtype(config, device)
+    base_model = settings.base_model_path
+    production_adapter = Path(plan.production_adapter) if plan.production_adapter else None
+    policy = load_trainable_policy(base_model, production_adapter, config, device)
+    samples = plan.samples
+
+    # Serving/training drift: our logprobs of every token vLLM sampled, against its own.
+    # They are also the pre-update policy's logprobs that the PPO ratio divides by.
+    old_logprobs = sharded_logprobs(policy, samples, config, world)
+    drift = measure_drift(
+        [s.behaviour_logprobs for s in samples], old_logprobs, tis_cap=config.tis_cap
+    )
+    limits = drift_limits(
+        dtype,
+        max_abs=config.drift_max_abs,
+        mean_abs=config.drift_mean_abs,
+        kl=config.drift_kl,
+        capped_share=config.drift_capped_share,
+    )
+    stats: dict[str, Any] = {
+        **drift.as_stats(),
+        **{f"drift_limit_{name}": value for name, value in vars(limits).items()},
+        "dtype": dtype,
+        "ranks": world.size,
+    }
+    stats = {name: json_number(value) for name, value in stats.items()}
+    progress(
+        f"run {plan.run_id}: drift over {drift.tokens} tokens ({dtype}): mean |Δ logprob| "
+        f"{drift.mean_abs:.2e}, max {drift.max_abs:.2e}, KL {drift.kl:.2e}, "
+        f"{drift.capped_share:.2%} of weights capped"
+    )
+    refusal = drift.refusal(limits)
+    if refusal is not None:
+        progress(f"run {plan.run_id}: refused: {refusal}")
+        if engine is None:
+            return CycleResult(plan.run_id, TrainingRunStatus.refused, refusal, None)
+        return finish_run(
+            engine, plan.run_id, TrainingRunStatus.refused, reason=refusal, stats=stats
+        )
+
+    if not world.is_main:
+        update_policy(policy, samples, old_logprobs, config, device, progress, world)
+        return share(CycleResult(plan.run_id, TrainingRunStatus.running, None, None), world)
+
+    assert engine is not None and held_out is not None and reference is not None
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(base_model)
+    production_weights = trainable_state(policy)
+    production_pass = held_out.pass_rate(policy, tokenizer)
+    progress(f"run {plan.run_id}: production held-out pass rate {production_pass:.3f}")
+
+    stats |= update_policy(policy, samples, old_logprobs, config, device, progress, world)
+    stats["reward_mean_before"] = sum(s.reward for s in samples) / len(samples)
+    try:
+        result = judge_and_publish(
+            settings,
+            config,
+            plan,
+            policy,
+            engine=engine,
+            held_out=held_out,
+            tokenizer=tokenizer,
+            reference=reference,
+            production_weights=production_weights,
+            production_pass=production_pass,
+            stats=stats,
+            progress=progress,
+            on_published=on_published,
+        )
+    except BaseException as exc:
+        share(CycleResult(plan.run_id, TrainingRunStatus.failed, repr(exc), None), world)
+        raise
+    return share(result, world)
+
+
+def judge_and_publish(
+    settings: Settings,
+    config: TrainConfig,
+    plan: CyclePlan,
+    policy: torch.nn.Module,
+    *,
     engine: Engine,
-    run_id: int,
-    production: Checkpoint,
-    batch: OnPolicyBatch,
     held_out: HeldOut,
+    tokenizer: PreTrainedTokenizerFast,
+    reference: CompletionBatch,
+    production_weights: dict[str, torch.Tensor],
+    production_pass: float,
+    stats: dict[str, Any],
     progress: Callable[[str], None],
     on_published: Callable[[], None] | None,
 ) -> CycleResult:
-    samples = batch.samples
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    device = pick_device(config)
-    base_model = settings.base_model_path
-    production_adapter = Path(production.adapter_path) if production.adapter_path else None
-    policy = load_trainable_policy(base_model, production_adapter, config, device)
-
-    probe = random.Random(config.seed).sample(samples, min(config.drift_probe_size, len(samples)))
-    drift = logprob_drift(
-        [s.behaviour_logprobs for s in probe],
-        completion_logprobs(
-            policy, [s.prompt_token_ids for s in probe], [s.completion_token_ids for s in probe]
-        ),
-    )
-    drift_stats = {"drift_max_abs": drift.max_abs, "drift_mean_abs": drift.mean_abs}
-    if not drift.within(config.drift_tolerance):
-        reason = (
-            f"serving/training drift: max |logged - recomputed| logprob {drift.max_abs:.2e} "
-            f"exceeds {config.drift_tolerance:.0e} on {drift.tokens} probe tokens"
-        )
-        progress(f"run {run_id}: refused: {reason}")
-        return finish_run(
-            engine, run_id, TrainingRunStatus.refused, reason=reason, stats=drift_stats
-        )
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(base_model)
-    reference = held_out.reference(tokenizer)
-    production_reference = next_token_logprobs(policy, reference)
-    production_pass = held_out.pass_rate(policy, tokenizer)
-    progress(f"run {run_id}: production held-out pass rate {production_pass:.3f}")
-
-    stats = {**drift_stats, **update_policy(policy, samples, config, device, progress)}
-    stats["reward_mean_before"] = sum(s.reward for s in samples) / len(samples)
-
+    """Rank 0 after the update: the evaluation gate, then save, publish and start a canary."""
     candidate_pass = held_out.pass_rate(policy, tokenizer)
-    kl = mean_kl(
-        next_token_logprobs(policy, reference), production_reference, reference.completion_mask
-    )
+    kl = kl_to_production(policy, production_weights, reference)
     result = gate(
+        held_out.name,
         production_pass,
         candidate_pass,
         kl,
         max_regression=config.eval_max_regression,
         max_kl=config.eval_max_kl,
     )
-    progress(f"run {run_id}: candidate held-out pass rate {candidate_pass:.3f}, KL {kl:.4f}")
+    progress(f"run {plan.run_id}: candidate held-out pass rate {candidate_pass:.3f}, KL {kl:.4f}")
     if not result.passed:
-        progress(f"run {run_id}: rejected: {result.reason}")
+        progress(f"run {plan.run_id}: rejected: {result.reason}")
         return finish_run(
             engine,
-            run_id,
+            plan.run_id,
             TrainingRunStatus.rejected,
             reason=result.reason,
             stats=stats,
             eval_results=result.as_dict(),
         )
 
-    adapter_dir = settings.data_dir.resolve() / "runs" / f"run-{run_id}" / "adapter"
-    policy.save_pretrained(str(adapter_dir))
+    adapter_dir = settings.data_dir.resolve() / "runs" / f"run-{plan.run_id}" / "adapter"
+    policy.save_pretrained(str(adapter_dir))  # type: ignore[operator]
     checkpoint = publish_checkpoint(
         engine,
         adapter_dir,
-        parent=production.name,
+        parent=plan.production_name,
         replicas=settings.vllm_urls,
         checkpoints_dir=settings.checkpoints_dir.resolve(),
-        base_model=str(base_model),
+        base_model=str(settings.base_model_path),
         reward_version=settings.reward_version,
         manifest={
-            "training_run": run_id,
-            "data_window": [batch.window_start, batch.window_end],
-            "samples": len(samples),
+            "training_run": plan.run_id,
+            "data_window": list(plan.window),
+            "samples": len(plan.samples),
         },
     )
     with session_scope(engine) as session:
-        control = session.get_one(Checkpoint, production.id)
+        control = session.get_one(Checkpoint, plan.production_id)
         treatment = session.get_one(Checkpoint, checkpoint.id)
         start_canary(
             session,
             control=control,
             treatment=treatment,
             treatment_bps=config.canary_bps,
-            created_by=f"trainer run {run_id}",
+            created_by=f"trainer run {plan.run_id}",
             actor=TRAINER_ACTOR,
         )
         superseded = ", ".join(
@@ -328,12 +456,14 @@ def train_and_publish(
         )
     if on_published is not None:
         on_published()
-    progress(f"run {run_id}: published {checkpoint.name} as a {config.canary_bps / 100:g}% canary")
+    progress(
+        f"run {plan.run_id}: published {checkpoint.name} as a {config.canary_bps / 100:g}% canary"
+    )
     if superseded:
-        progress(f"run {run_id}: the canary {superseded} is superseded by {checkpoint.name}")
+        progress(f"run {plan.run_id}: the canary {superseded} is superseded by {checkpoint.name}")
     return finish_run(
         engine,
-        run_id,
+        plan.run_id,
         TrainingRunStatus.published,
         reason=f"superseded the canary {superseded}" if superseded else None,
         stats=stats,
@@ -342,93 +472,8 @@ def train_and_publish(
     )
 
 
-def right_aligned(rows: list[list[float]], width: int) -> torch.Tensor:
-    """Per-token values placed at the end of a [len(rows), width] tensor, as batches are."""
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, width - len(row) :] = torch.tensor(row)
-    return out
-
-
-def update_policy(
-    policy: torch.nn.Module,
-    samples: list[TrainingSample],
-    config: TrainConfig,
-    device: torch.device,
-    progress: Callable[[str], None],
-) -> dict[str, float]:
-    """Epochs of clipped policy-gradient steps over the batch; returns the run's statistics."""
-    prompts = [s.prompt_token_ids for s in samples]
-    completions = [s.completion_token_ids for s in samples]
-    old_logprobs = completion_logprobs(policy, prompts, completions)
-    base_logprobs = None
-    if config.kl_coef > 0:
-        with policy.disable_adapter():  # type: ignore[operator]
-            base_logprobs = completion_logprobs(policy, prompts, completions)
-    advantage = advantages([s.reward for s in samples], [tuple(p) for p in prompts])
-
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad], lr=config.learning_rate
-    )
-    generator = torch.Generator().manual_seed(config.seed)
-    history: list[LossStats] = []
-    tokens_seen, started = 0, time.perf_counter()
-    policy.train()
-    steps = 0
-    for epoch in range(config.epochs):
-        epoch_start = len(history)
-        order = torch.randperm(len(samples), generator=generator).tolist()
-        for start in range(0, len(order), config.minibatch_size):
-            minibatch = order[start : start + config.minibatch_size]
-            minibatch_tokens = sum(len(completions[i]) for i in minibatch)
-            optimizer.zero_grad()
-            for micro_start in range(0, len(minibatch), config.micro_batch_size):
-                micro = minibatch[micro_start : micro_start + config.micro_batch_size]
-                batch = completion_batch(
-                    [prompts[i] for i in micro], [completions[i] for i in micro]
-                )
-                width = batch.width
-                loss, stats = policy_gradient_loss(
-                    batch_logprobs(policy, batch.to(device)),
-                    right_aligned([old_logprobs[i] for i in micro], width).to(device),
-                    right_aligned([samples[i].behaviour_logprobs for i in micro], width).to(device),
-                    advantage[micro].to(device),
-                    batch.completion_mask.to(device),
-                    clip_epsilon=config.clip_epsilon,
-                    tis_cap=config.tis_cap,
-                    base_logprobs=(
-                        right_aligned([base_logprobs[i] for i in micro], width).to(device)
-                        if base_logprobs is not None
-                        else None
-                    ),
-                    kl_coef=config.kl_coef,
-                )
-                micro_tokens = int(batch.completion_mask.sum())
-                # Token-level mean over the whole minibatch, however it is split.
-                (loss * micro_tokens / max(minibatch_tokens, 1)).backward()
-                history.append(stats)
-                tokens_seen += micro_tokens
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-            optimizer.step()
-            steps += 1
-        epoch_stats = history[epoch_start:] or history
-        epoch_loss = sum(h.loss for h in epoch_stats) / len(epoch_stats)
-        clip = sum(h.clip_fraction for h in epoch_stats) / len(epoch_stats)
-        progress(
-            f"epoch {epoch + 1}/{config.epochs}: loss {epoch_loss:+.4f}, clip fraction {clip:.3f}"
-        )
-    elapsed = time.perf_counter() - started
-    policy.eval()
-    n = max(len(history), 1)
-    return {
-        "loss": sum(h.loss for h in history) / n,
-        "mean_ratio": sum(h.mean_ratio for h in history) / n,
-        "clip_fraction": sum(h.clip_fraction for h in history) / n,
-        "mean_tis_weight": sum(h.mean_tis_weight for h in history) / n,
-        "kl_to_base": sum(h.kl_to_base for h in history) / n,
-        "optimizer_steps": steps,
-        "tokens": tokens_seen,
-        "tokens_per_s": tokens_seen / elapsed if elapsed > 0 else 0.0,
-        "update_seconds": elapsed,
-    }
+def json_number(value: Any) -> Any:
+    """JSONB holds no NaN or infinity: those become null (no limit, or nothing measured)."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    return value

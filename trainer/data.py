@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 from app.models import Checkpoint, Reward, Sample
@@ -19,6 +19,8 @@ class TrainingSample:
     behaviour_logprobs: list[float]
     reward: float
     served_at: datetime
+    temperature: float = 1.0
+    """vLLM sampled at this temperature and logged the logprobs of that distribution."""
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,19 @@ class OnPolicyBatch:
         return sum(sample.served_at > moment for sample in self.samples)
 
 
+def withheld(percent: int) -> ColumnElement[bool]:
+    """The slice of traffic an evaluation gate keeps for itself: `percent` of samples by id."""
+    return Sample.id % 100 < percent
+
+
 def select_on_policy_batch(
-    session: Session, production: Checkpoint, *, max_samples: int
+    session: Session, production: Checkpoint, *, max_samples: int, withheld_percent: int = 0
 ) -> OnPolicyBatch:
     """The newest samples the production checkpoint served, with finalized rewards.
 
     Only samples that checkpoint generated are on-policy for it; privacy-mode and
-    untrainable samples, and those without logged tokens, are never trained on.
+    untrainable samples, those without logged tokens, and the slice the evaluation gate
+    holds out (`withheld_percent`) are never trained on.
     """
     since = production.published_at or production.created_at
     rows = session.execute(
@@ -50,6 +58,7 @@ def select_on_policy_batch(
             Sample.behaviour_logprobs,
             Reward.reward,
             Sample.served_at,
+            Sample.temperature,
         )
         .join(Reward, Reward.sample_id == Sample.id)
         .where(
@@ -62,8 +71,9 @@ def select_on_policy_batch(
             Reward.reward.is_not(None),
             func.cardinality(Sample.completion_token_ids) > 0,
             func.cardinality(Sample.prompt_token_ids) > 0,
+            ~withheld(withheld_percent),
         )
-        .order_by(Sample.served_at.desc())
+        .order_by(Sample.served_at.desc(), Sample.id.desc())  # one order: a seed repeats a run
         .limit(max_samples)
     ).all()
     samples = [
@@ -74,6 +84,7 @@ def select_on_policy_batch(
             behaviour_logprobs=list(row.behaviour_logprobs),
             reward=float(row.reward),
             served_at=row.served_at,
+            temperature=row.temperature,
         )
         for row in rows
         if len(row.completion_token_ids) == len(row.behaviour_logprobs)

@@ -2,7 +2,9 @@
 moved (KL to production on fixed reference text).
 
 What "held out" means belongs to the deployment, not to the cycle: the cycle takes any
-`HeldOut` (the toy task family's is `trainer.task_family.TaskFamilyHeldOut`).
+`HeldOut`. Two exist, chosen by RTRL_TRAIN_EVAL_GATE (`trainer.gates`): the toy task
+family's held-out tasks (`trainer.task_family`) and production's logged held-out traffic
+(`trainer.logged_traffic`).
 """
 
 from __future__ import annotations
@@ -16,22 +18,47 @@ from transformers import PreTrainedTokenizerFast
 from app.serving.parity import CompletionBatch
 
 
+class HeldOutUnavailable(Exception):
+    """The gate has too few held-out cases to judge a candidate; the message says why."""
+
+
 class HeldOut(Protocol):
     """What the gate scores a policy on."""
 
+    @property
+    def name(self) -> str:
+        """The gate's name in the run's evaluation results."""
+        ...
+
+    @property
+    def withheld_percent(self) -> int:
+        """Percent of production's traffic (by sample id) the cycle must not train on,
+        because the gate scores it; 0 when the held-out set lies elsewhere."""
+        ...
+
     def reference(self, tokenizer: PreTrainedTokenizerFast) -> CompletionBatch:
-        """Fixed prompts with reference answers, to measure how far a policy moved."""
+        """Fixed prompts with reference answers, to measure how far a policy moved. The cycle
+        calls it first, once per cycle, before training: a gate on live traffic takes its
+        snapshot here, and raises HeldOutUnavailable when it has too few cases."""
         ...
 
     def pass_rate(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -> float:
-        """Share of held-out tasks the policy passes."""
+        """Share of held-out cases the policy passes."""
         ...
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the weights an update changes (the LoRA's): production's, kept for the KL."""
+    return {
+        name: parameter.detach().clone()
+        for name, parameter in model.named_parameters()
+        if parameter.requires_grad
+    }
 
 
 @torch.no_grad()
 def next_token_logprobs(model: torch.nn.Module, batch: CompletionBatch) -> torch.Tensor:
     """Full next-token log-distributions at each reference position, [batch, width, vocab]."""
-    model.eval()
     device = next(model.parameters()).device
     batch = batch.to(device)
     logits = model(
@@ -40,17 +67,46 @@ def next_token_logprobs(model: torch.nn.Module, batch: CompletionBatch) -> torch
         position_ids=batch.position_ids,
         logits_to_keep=batch.width + 1,
     ).logits[:, :-1]
-    return logits.float().log_softmax(-1).cpu()
+    return logits.float().log_softmax(-1)
 
 
-def mean_kl(policy: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean per-token KL(policy ‖ reference) over the masked positions."""
-    kl = (policy.exp() * (policy - reference)).sum(-1)
-    return float((kl * mask).sum() / mask.sum().clamp(min=1))
+@torch.no_grad()
+def kl_to_production(
+    model: torch.nn.Module,
+    production: dict[str, torch.Tensor],
+    reference: CompletionBatch,
+    *,
+    rows: int = 8,
+) -> float:
+    """Mean per-token KL(model ‖ production) over the reference's completion tokens.
+
+    A few rows at a time, with production's weights swapped in for each, so that no
+    [rows, width, vocab] distribution of the whole set is ever held (a real vocabulary
+    makes that gigabytes)."""
+    model.eval()
+    parameters = dict(model.named_parameters())
+    candidate = {name: parameters[name].detach().clone() for name in production}
+    total, tokens = 0.0, 0.0
+    for start in range(0, int(reference.input_ids.shape[0]), rows):
+        chunk = CompletionBatch(
+            *(tensor[start : start + rows] for tensor in vars(reference).values())
+        )
+        ours = next_token_logprobs(model, chunk)
+        for name, weight in production.items():
+            parameters[name].copy_(weight)
+        theirs = next_token_logprobs(model, chunk)
+        for name, weight in candidate.items():
+            parameters[name].copy_(weight)
+        mask = chunk.completion_mask.to(ours.device)
+        kl = (ours.exp() * (ours - theirs)).sum(-1)
+        total += float((kl * mask).sum())
+        tokens += float(mask.sum())
+    return total / max(tokens, 1.0)
 
 
 @dataclass
 class GateResult:
+    gate: str
     production_pass_rate: float
     candidate_pass_rate: float
     kl_to_production: float
@@ -62,6 +118,7 @@ class GateResult:
 
 
 def gate(
+    name: str,
     production_pass_rate: float,
     candidate_pass_rate: float,
     kl_to_production: float,
@@ -79,6 +136,7 @@ def gate(
     elif kl_to_production > max_kl:
         reason = f"KL to production {kl_to_production:.3f} exceeds {max_kl}"
     return GateResult(
+        gate=name,
         production_pass_rate=production_pass_rate,
         candidate_pass_rate=candidate_pass_rate,
         kl_to_production=kl_to_production,

@@ -28,6 +28,14 @@ class TaskFamilyHeldOut:
     def __post_init__(self) -> None:
         self._tasks = heldout_tasks(EVAL_SEED, self.tasks)
 
+    @property
+    def name(self) -> str:
+        return "task_family"
+
+    @property
+    def withheld_percent(self) -> int:
+        return 0  # the tasks are generated, never served
+
     def reference(self, tokenizer: PreTrainedTokenizerFast) -> CompletionBatch:
         return reference_batch(tokenizer, self._tasks)
 

@@ -25,6 +25,7 @@ from app.models import (
     TrainingRun,
     TrainingRunStatus,
 )
+from app.serving.replicas import load_adapter, unload_adapter
 from app.serving.sampling import ServedCompletion, sample_completions
 from app.serving.vllm import VllmServer
 from app.signals.rewards import RewardComponents
@@ -32,6 +33,7 @@ from app.tasks import Task, check_solution, extract_code, train_tasks
 from trainer import cycle as cycle_module
 from trainer.config import TrainConfig
 from trainer.cycle import CycleResult, run_cycle
+from trainer.drift import DEFAULT_DRIFT_LIMITS
 from trainer.generation import prompt_ids
 from trainer.lock import CycleBusy, trainer_lock
 from trainer.task_family import task_family_held_out
@@ -85,7 +87,7 @@ def record(
                 prompt_token_ids=completion.prompt_token_ids,
                 completion_token_ids=completion.completion_token_ids,
                 behaviour_logprobs=[lp + logprob_shift for lp in completion.logprobs],
-                completion_text=completion.text,
+                completion_text=completion.text.replace("\x00", "\ufffd"),  # as workers store it
                 status="ok",
                 ttft_ms=1.0,
                 latency_ms=2.0,
@@ -134,7 +136,6 @@ def fast_config(**overrides: object) -> TrainConfig:
         epochs=4,
         learning_rate=2e-3,
         minibatch_size=64,
-        micro_batch_size=32,
         eval_tasks=32,
         eval_max_regression=0.25,
         eval_max_kl=5.0,
@@ -177,7 +178,19 @@ def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
         run = session.get_one(TrainingRun, result.run_id)
         assert run.sample_count == len(base_served)
         assert run.stats is not None and run.stats["tokens_per_s"] > 0
+        stats = run.stats
         adapter_path = Path(str(checkpoint.adapter_path))
+
+    # Drift was measured on every token vLLM sampled: fp32 on both sides agrees to ~1e-6.
+    tokens = sum(len(completion.completion_token_ids) for _, completion in base_served)
+    assert (stats["drift_tokens"], stats["dtype"], stats["ranks"]) == (tokens, "fp32", 1)
+    assert stats["drift_mean_abs"] < 1e-5 and stats["drift_max_abs"] < 1e-4
+    assert 0 <= stats["drift_kl"] < 1e-8 and stats["drift_capped_share"] == 0
+    assert stats["drift_limit_max_abs"] == 1e-3
+    print(
+        f"drift over {tokens} tokens, fp32: mean |Δ| {stats['drift_mean_abs']:.2e}, "
+        f"max {stats['drift_max_abs']:.2e}, KL {stats['drift_kl']:.2e}"
+    )
 
     # Parameters changed: a fresh LoRA starts with B = 0, so any non-zero B was learnt.
     weights_after = load_file(str(adapter_path / "adapter_model.safetensors"))
@@ -219,6 +232,62 @@ def test_drift_between_serving_and_training_refuses_to_train(
     )
     assert result.status == TrainingRunStatus.refused
     assert result.reason is not None and "drift" in result.reason
+    assert published_checkpoints(registry) == []
+
+
+def test_a_healthy_bf16_cycle_trains_where_fp32_limits_would_refuse_it(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    base_served: Served,
+    tmp_path: Path,
+) -> None:
+    """The trainer in bf16 against vLLM's fp32 logprobs: rounding, not a real mismatch."""
+    record(registry, base_served[:64], lambda task, done: float(solves(task, done)))
+    settings = settings_for(vllm_server, tiny_model_dir, tmp_path)
+    fp32 = DEFAULT_DRIFT_LIMITS["fp32"]
+    strict = fast_config(
+        epochs=1, dtype="bf16", drift_max_abs=fp32.max_abs, drift_mean_abs=fp32.mean_abs
+    )
+    refused = cycle_on_tasks(settings, strict, engine=registry)
+    healthy = cycle_on_tasks(settings, fast_config(epochs=1, dtype="bf16"), engine=registry)
+
+    assert refused.status == TrainingRunStatus.refused
+    assert refused.reason is not None and "mean |logged - recomputed|" in refused.reason
+    assert healthy.status == TrainingRunStatus.published, healthy.reason
+    with session_scope(registry) as session:
+        stats = session.get_one(TrainingRun, healthy.run_id).stats
+    assert stats is not None and stats["dtype"] == "bf16"
+    assert stats["drift_limit_max_abs"] is None  # bf16 has no per-token limit
+    assert fp32.mean_abs < stats["drift_mean_abs"] < stats["drift_limit_mean_abs"]
+
+
+def test_logprobs_of_another_checkpoint_are_refused_in_bf16_too(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    lora_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Samples served by one adapter and recorded as the base's: the mismatch is real."""
+    load_adapter(vllm_server.url, "drift-other-checkpoint", lora_dir)
+    try:
+        served = sample(vllm_server, tiny_model_dir, "drift-other-checkpoint", train_tasks(7, 64))
+    finally:
+        unload_adapter(vllm_server.url, "drift-other-checkpoint")
+    record(registry, served, lambda task, done: float(solves(task, done)))
+
+    result = cycle_on_tasks(
+        settings_for(vllm_server, tiny_model_dir, tmp_path),
+        fast_config(dtype="bf16"),
+        engine=registry,
+    )
+
+    assert result.status == TrainingRunStatus.refused
+    assert result.reason is not None and "KL(vLLM || trainer) per token" in result.reason
+    with session_scope(registry) as session:
+        stats = session.get_one(TrainingRun, result.run_id).stats
+    assert stats is not None and stats["drift_kl"] > 1.0 and stats["drift_capped_share"] > 0.02
     assert published_checkpoints(registry) == []
 
 

@@ -1,0 +1,91 @@
+"""`rtrl train --once` under `torchrun --nproc-per-node 2` (gloo, CPU) makes the update one
+process makes, on the same samples with the same seed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sqlalchemy import Engine, select
+
+from app.config import settings_environment
+from app.db import session_scope
+from app.models import Checkpoint, TrainingRun, TrainingRunStatus
+from app.serving.vllm import VllmServer
+from tests.trainer.test_cycle import Served, base_served, record, registry, settings_for, solves
+from trainer.config import train_config_from_env
+from trainer.cycle import run_cycle
+from trainer.gates import held_out_for
+
+__all__ = ["base_served", "registry"]  # fixtures shared with test_cycle
+
+TRAIN_ENV = {
+    "RTRL_TRAIN_MIN_SAMPLES": "64",
+    "RTRL_TRAIN_MIN_NEW_SAMPLES": "0",  # the second run trains on the first one's window
+    "RTRL_TRAIN_EPOCHS": "2",
+    "RTRL_TRAIN_LEARNING_RATE": "2e-3",
+    # 3 steps per epoch (24 + 24 + 16 samples): each rank trains on 12, 12 and 8 of them.
+    "RTRL_TRAIN_MINIBATCH_SIZE": "24",
+    "RTRL_TRAIN_MICRO_BATCH_TOKENS": "512",
+    "RTRL_TRAIN_EVAL_TASKS": "8",
+    "RTRL_TRAIN_EVAL_MAX_REGRESSION": "1",
+    "RTRL_TRAIN_EVAL_MAX_KL": "100",
+    "RTRL_TRAIN_THREADS": "1",
+}
+TOLERANCE = 1e-5
+"""Max |Δ| between the two runs' LoRA weights (measured: 2.4e-6), where each of the six Adam
+steps moves a weight by up to the learning rate, 2e-3: float sums in another order
+(micro-batches, the all-reduce), nothing more."""
+
+
+def lora_weights(engine: Engine, run_id: int) -> dict[str, torch.Tensor]:
+    with session_scope(engine) as session:
+        run = session.get_one(TrainingRun, run_id)
+        assert run.status == TrainingRunStatus.published, run.reason
+        checkpoint = session.scalars(
+            select(Checkpoint).where(Checkpoint.id == run.output_checkpoint_id)
+        ).one()
+        path = Path(str(checkpoint.adapter_path)) / "adapter_model.safetensors"
+    return load_file(str(path))
+
+
+def test_two_ranks_make_the_update_one_rank_makes(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    base_served: Served,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    record(registry, base_served[:64], lambda task, done: float(solves(task, done)))
+    settings = settings_for(vllm_server, tiny_model_dir, tmp_path)
+    for name, value in TRAIN_ENV.items():
+        monkeypatch.setenv(name, value)
+    config = train_config_from_env()
+    one = run_cycle(settings, config, engine=registry, held_out=held_out_for(config, registry))
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command = [*torchrun, "--nproc-per-node", "2", "-m", "app.cli", "train", "--once"]
+    environment = {**os.environ, **settings_environment(settings), **TRAIN_ENV}
+    environment["OMP_NUM_THREADS"] = "1"
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert "published ckpt-" in finished.stdout
+
+    with session_scope(registry) as session:
+        two = session.scalars(select(TrainingRun).order_by(TrainingRun.id.desc())).first()
+        assert two is not None and two.id != one.run_id and two.stats is not None
+        assert two.stats["ranks"] == 2 and two.sample_count == 64
+        two_id = two.id
+    single, double = lora_weights(registry, one.run_id), lora_weights(registry, two_id)
+    assert single.keys() == double.keys()
+    moved = max(float(t.abs().max()) for name, t in single.items() if "lora_B" in name)
+    difference = max(float((single[name] - double[name]).abs().max()) for name in single)
+    print(f"1 rank vs 2 ranks: max |Δ LoRA weight| {difference:.2e}, largest B {moved:.2e}")
+    assert moved > 1e-3
+    assert difference <= TOLERANCE

@@ -1,0 +1,103 @@
+"""The update on the tiny model: how a minibatch is split never changes the step."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.config import TrainConfig
+from trainer.data import TrainingSample
+from trainer.policy import load_trainable_policy
+from trainer.update import micro_batches, sharded_logprobs, update_policy
+
+CONFIG = TrainConfig(
+    epochs=1, minibatch_size=16, learning_rate=1e-3, lora_rank=4, seed=3, device="cpu"
+)
+
+
+def synthetic_samples(model_dir: Path, count: int = 48) -> list[TrainingSample]:
+    """Random prompts and completions of random lengths, rewarded at random, with the
+    behaviour logprobs the untrained policy gives them (as vLLM would have logged)."""
+    rng = random.Random(0)
+    rows = [
+        (
+            [rng.randrange(3, 200) for _ in range(rng.randrange(4, 20))],
+            [rng.randrange(3, 200) for _ in range(rng.randrange(1, 24))],
+        )
+        for _ in range(count)
+    ]
+    torch.manual_seed(CONFIG.seed)
+    policy = load_trainable_policy(model_dir, None, CONFIG, torch.device("cpu"))
+    drafts = [
+        TrainingSample(i, p, c, [], float(rng.random() < 0.5), datetime.now(UTC))
+        for i, (p, c) in enumerate(rows)
+    ]
+    logged = sharded_logprobs(policy, drafts, CONFIG)
+    return [
+        dataclasses.replace(s, behaviour_logprobs=lp) for s, lp in zip(drafts, logged, strict=True)
+    ]
+
+
+def trained_lora(
+    model_dir: Path, samples: list[TrainingSample], config: TrainConfig
+) -> dict[str, torch.Tensor]:
+    torch.manual_seed(config.seed)
+    device = torch.device("cpu")
+    policy = load_trainable_policy(model_dir, None, config, device)
+    old = sharded_logprobs(policy, samples, config)
+    stats = update_policy(policy, samples, old, config, device, lambda line: None)
+    assert stats["optimizer_steps"] == 3
+    return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir: Path) -> list[TrainingSample]:
+    return synthetic_samples(tiny_model_dir)
+
+
+def test_micro_batches_stay_within_the_token_budget() -> None:
+    lengths = [5, 30, 12, 12, 7, 100]
+    groups = micro_batches(range(6), lengths, budget=40)
+    assert sorted(i for group in groups for i in group) == list(range(6))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) == 1 or len(group) * longest <= 40
+    assert [5] in groups  # longer than the budget: alone
+
+
+def test_the_token_budget_and_gradient_checkpointing_leave_the_update_unchanged(
+    tiny_model_dir: Path, samples: list[TrainingSample]
+) -> None:
+    whole = trained_lora(
+        tiny_model_dir, samples, dataclasses.replace(CONFIG, micro_batch_tokens=1 << 20)
+    )
+    split = trained_lora(
+        tiny_model_dir, samples, dataclasses.replace(CONFIG, micro_batch_tokens=64)
+    )
+    checkpointed = trained_lora(
+        tiny_model_dir,
+        samples,
+        dataclasses.replace(CONFIG, micro_batch_tokens=64, gradient_checkpointing=True),
+    )
+    moved = max(float(t.abs().max()) for n, t in whole.items() if "lora_B" in n)
+    assert moved > 1e-4  # B starts at zero: the step did something
+    for name, tensor in whole.items():
+        torch.testing.assert_close(split[name], tensor, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(checkpointed[name], split[name], rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_keeps_the_lora_and_its_steps_in_fp32(
+    tiny_model_dir: Path, samples: list[TrainingSample]
+) -> None:
+    config = dataclasses.replace(CONFIG, dtype="bf16")
+    policy = load_trainable_policy(tiny_model_dir, None, config, torch.device("cpu"))
+    dtypes = {p.dtype for p in policy.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in policy.parameters() if not p.requires_grad}
+    assert (dtypes, frozen) == ({torch.float32}, {torch.bfloat16})
+    lora = trained_lora(tiny_model_dir, samples, config)
+    assert max(float(t.abs().max()) for n, t in lora.items() if "lora_B" in n) > 1e-4

@@ -20,6 +20,7 @@ from app.analytics.schemas import (
     ExperimentResults,
     LineageNode,
     TimeSeries,
+    TrainingRunBrief,
     Window,
 )
 from app.http.errors import ApiError
@@ -112,6 +113,14 @@ async def alerts(
 async def checkpoint_lineage(session: Session) -> list[LineageNode]:
     """Every checkpoint with its parent and status."""
     return await service.lineage(session)
+
+
+@router.get("/training-runs", response_model=list[TrainingRunBrief])
+async def training_runs(
+    session: Session, limit: Annotated[int, Query(ge=1, le=500)] = 20
+) -> list[TrainingRunBrief]:
+    """The latest training runs with their outcome and serving/training drift."""
+    return await service.training_runs(session, limit)
 
 
 async def _results(

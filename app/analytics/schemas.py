@@ -163,3 +163,30 @@ class LineageNode(BaseModel):
     retired_at: datetime | None
     superseded_by: str | None
     """The newer candidate of the same parent whose canary replaced this one."""
+
+
+class TrainingRunBrief(BaseModel):
+    """A training cycle: its outcome, and how far vLLM's logged logprobs were from the
+    trainer's on its batch (see the README's "Running on GPUs")."""
+
+    id: int
+    run_name: str | None
+    status: str
+    trigger: str | None
+    reason: str | None
+    sample_count: int
+    started_at: datetime
+    finished_at: datetime | None
+    base_checkpoint: str | None
+    checkpoint: str | None
+    """The checkpoint it published, if any."""
+    dtype: str | None
+    ranks: int | None
+    drift_tokens: int | None
+    drift_mean_abs: float | None
+    """Mean |logged − recomputed| logprob per token."""
+    drift_max_abs: float | None
+    drift_kl: float | None
+    """Mean per-token KL(vLLM ‖ trainer), k3 estimator."""
+    drift_capped_share: float | None
+    """Share of tokens whose truncated importance weight hit its cap."""

@@ -41,10 +41,11 @@ from app.analytics.schemas import (
     SampleRatioCheck,
     TimeBucket,
     TimeSeries,
+    TrainingRunBrief,
     VsControl,
     Window,
 )
-from app.models import Alert, Checkpoint, Experiment
+from app.models import Alert, Checkpoint, Experiment, TrainingRun
 
 EXPORT_BATCH_ROWS = 2_000
 QUANTILES: dict[str, tuple[float, float]] = {
@@ -351,6 +352,43 @@ async def lineage(session: AsyncSession) -> list[LineageNode]:
         )
         for checkpoint in checkpoints
     ]
+
+
+async def training_runs(session: AsyncSession, limit: int) -> list[TrainingRunBrief]:
+    """The latest training runs, newest first, with their drift metrics."""
+    runs = (
+        await session.scalars(select(TrainingRun).order_by(TrainingRun.id.desc()).limit(limit))
+    ).all()
+    ids = {run.base_checkpoint_id for run in runs} | {run.output_checkpoint_id for run in runs}
+    rows = await session.execute(
+        select(Checkpoint.id, Checkpoint.name).where(Checkpoint.id.in_(ids - {None}))
+    )
+    names: dict[int | None, str] = {row.id: row.name for row in rows}
+    briefs = []
+    for run in runs:
+        stats = run.stats or {}
+        briefs.append(
+            TrainingRunBrief(
+                id=run.id,
+                run_name=run.run_name,
+                status=run.status.value,
+                trigger=run.trigger.value if run.trigger else None,
+                reason=run.reason,
+                sample_count=run.sample_count,
+                started_at=run.started_at,
+                finished_at=run.finished_at,
+                base_checkpoint=names.get(run.base_checkpoint_id),
+                checkpoint=names.get(run.output_checkpoint_id),
+                dtype=stats.get("dtype"),
+                ranks=stats.get("ranks"),
+                drift_tokens=stats.get("drift_tokens"),
+                drift_mean_abs=stats.get("drift_mean_abs"),
+                drift_max_abs=stats.get("drift_max_abs"),
+                drift_kl=stats.get("drift_kl"),
+                drift_capped_share=stats.get("drift_capped_share"),
+            )
+        )
+    return briefs
 
 
 RESULT_CSV_FIELDS = (

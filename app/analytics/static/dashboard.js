@@ -203,6 +203,28 @@ function drawLineage(parent, checkpoints) {
   }
 }
 
+function drawTrainingRuns(table, runs) {
+  table.replaceChildren();
+  const head = node("tr", {}, node("thead", {}, table));
+  ["run", "started", "status", "samples", "precision", "mean |Δ|", "max |Δ|", "KL", "capped", "outcome"]
+    .forEach((h) => node("th", {}, head, h));
+  const body = node("tbody", {}, table);
+  if (runs.length === 0) {
+    node("td", { colspan: 10 }, node("tr", {}, body), "No training runs.");
+  }
+  for (const run of runs) {
+    const row = node("tr", { "data-run": run.id }, body);
+    const precision = run.dtype ? `${run.dtype} × ${run.ranks}` : "–";
+    const capped = run.drift_capped_share === null ? "–" : `${(100 * run.drift_capped_share).toFixed(2)}%`;
+    const outcome = run.checkpoint ? `published ${run.checkpoint}` : run.reason || "";
+    [`${run.id} (${run.trigger || "–"})`, run.started_at.slice(0, 16).replace("T", " "), run.status,
+      run.sample_count, precision, format(run.drift_mean_abs, 2), format(run.drift_max_abs, 2),
+      format(run.drift_kl, 2), capped, outcome]
+      .forEach((cell) => node("td", {}, row, String(cell)));
+    if (run.status === "refused") row.lastChild.setAttribute("class", "mismatch");
+  }
+}
+
 function drawAlerts(table, alerts) {
   table.replaceChildren();
   const head = node("tr", {}, node("thead", {}, table));
@@ -222,11 +244,12 @@ function drawAlerts(table, alerts) {
 async function main() {
   const status = document.getElementById("status");
   try {
-    const [experiments, series, checkpoints, alerts] = await Promise.all([
+    const [experiments, series, checkpoints, alerts, runs] = await Promise.all([
       api("/analytics/experiments"),
       api("/analytics/timeseries?bucket=day"),
       api("/analytics/lineage"),
       api("/analytics/alerts"),
+      api("/analytics/training-runs"),
     ]);
     const select = document.getElementById("experiment-select");
     for (const experiment of experiments) {
@@ -239,6 +262,7 @@ async function main() {
     drawTrend(trends, series.series, "dissatisfied_rate", "Dissatisfied rate per checkpoint (daily)");
     drawLineage(document.getElementById("lineage-chart"), checkpoints);
     drawAlerts(document.getElementById("alerts-table"), alerts);
+    drawTrainingRuns(document.getElementById("training-runs-table"), runs);
     if (experiments.length > 0) await showExperiment(experiments[0].id);
     document.body.setAttribute("data-ready", "true");
   } catch (error) {

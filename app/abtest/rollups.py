@@ -74,11 +74,7 @@ _USER_GROUP = f"(('x' || substr(md5(s.user_hash), 1, 7))::bit(28)::int % {USER_G
 # finalized or changed since adds its part now minus the part counted before.
 _DELTA = f"""
 CREATE TEMP TABLE rollup_delta ON COMMIT DROP AS
-WITH touched AS (
-    SELECT id AS sample_id FROM samples WHERE created_at >= :since AND created_at < :until
-    UNION
-    SELECT sample_id FROM rewards WHERE updated_at >= :since AND updated_at < :until
-),
+WITH touched AS ({{touched}}),
 now_counted AS (
     SELECT r.sample_id,
            (r.components->>'accepted')::boolean AS accepted,
@@ -130,6 +126,15 @@ SELECT sample_id, served_at, checkpoint, experiment_id, arm, user_hash, fresh, b
        coalesce(reward ^ 2, 0) - coalesce(was_reward ^ 2, 0) AS reward_sumsq
 FROM parts
 """
+
+_TOUCHED = """
+    SELECT id AS sample_id FROM samples WHERE created_at >= :since AND created_at < :until
+    UNION
+    SELECT sample_id FROM rewards WHERE updated_at >= :since AND updated_at < :until"""
+# From scratch, every sample: the union with rewards would find nothing more.
+_EVERY_SAMPLE = "SELECT id AS sample_id FROM samples WHERE created_at < :until"
+DELTA = _DELTA.format(touched=_TOUCHED)
+REBUILD = _DELTA.format(touched=_EVERY_SAMPLE)
 
 _DAY = "(served_at AT TIME ZONE 'UTC')::date"
 _IN_EXPERIMENT = "experiment_id IS NOT NULL AND arm IS NOT NULL"
@@ -226,11 +231,12 @@ def refresh_rollups(bind: Engine | Connection) -> int | None:
     since = conn.execute(
         text("SELECT watermark FROM rollup_state WHERE name = :name FOR UPDATE"), {"name": ROLLUP}
     ).scalar_one_or_none()
+    conn.execute(text("DROP TABLE IF EXISTS pg_temp.rollup_delta"))
     if since is None:
         conn.execute(text(f"TRUNCATE {', '.join(DERIVED_TABLES)}"))
-        since = datetime(1970, 1, 1, tzinfo=UTC)
-    conn.execute(text("DROP TABLE IF EXISTS pg_temp.rollup_delta"))
-    conn.execute(text(_DELTA), {"since": since, "until": until})
+        conn.execute(text(REBUILD), {"since": datetime(1970, 1, 1, tzinfo=UTC), "until": until})
+    else:
+        conn.execute(text(DELTA), {"since": since, "until": until})
     touched = conn.execute(text("SELECT count(*) FROM rollup_delta")).scalar_one()
     if touched:
         for statement in APPLY_DELTA:

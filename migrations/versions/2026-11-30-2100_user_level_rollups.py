@@ -118,18 +118,12 @@ def upgrade() -> None:
     )
     op.create_table(
         "rolled_up_rewards",
-        sa.Column("sample_id", sa.BigInteger(), nullable=False),
+        sa.Column("sample_id", sa.BigInteger(), autoincrement=False, nullable=False),
         sa.Column("accepted", sa.Boolean(), nullable=True),
         sa.Column("dissatisfied", sa.Boolean(), nullable=True),
         sa.Column("over_budget", sa.Boolean(), nullable=False),
         sa.Column("kept", sa.Float(), nullable=True),
         sa.Column("reward", sa.Float(), nullable=True),
-        sa.ForeignKeyConstraint(
-            ["sample_id"],
-            ["samples.id"],
-            name=op.f("fk_rolled_up_rewards_sample_id_samples"),
-            ondelete="CASCADE",
-        ),
         sa.PrimaryKeyConstraint("sample_id", name=op.f("pk_rolled_up_rewards")),
     )
 

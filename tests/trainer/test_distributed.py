@@ -1,11 +1,15 @@
 """`rtrl train --once` under `torchrun --nproc-per-node 2` (gloo, CPU) makes the update one
-process makes, on the same samples with the same seed."""
+process makes, on the same samples with the same seed; `rtrl trainer` under torchrun trains
+a requested cycle on both ranks and stops on SIGTERM."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,9 @@ from sqlalchemy import Engine, select
 
 from app.config import settings_environment
 from app.db import session_scope
-from app.models import Checkpoint, TrainingRun, TrainingRunStatus
+from app.models import Checkpoint, CycleTrigger, TrainingRun, TrainingRunStatus
+from app.registry.audit import Actor
+from app.registry.flags import request_training_cycle
 from app.serving.vllm import VllmServer
 from tests.trainer.test_cycle import Served, base_served, record, registry, settings_for, solves
 from trainer.config import train_config_from_env
@@ -37,6 +43,7 @@ TRAIN_ENV = {
     "RTRL_TRAIN_EVAL_MAX_KL": "100",
     "RTRL_TRAIN_THREADS": "1",
 }
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TOLERANCE = 1e-5
 """Max |Δ| between the two runs' LoRA weights (measured: 2.4e-6), where each of the six Adam
 steps moves a weight by up to the learning rate, 2e-3: float sums in another order
@@ -69,8 +76,7 @@ def test_two_ranks_make_the_update_one_rank_makes(
     config = train_config_from_env()
     one = run_cycle(settings, config, engine=registry, held_out=held_out_for(config, registry))
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command = [*torchrun, "--nproc-per-node", "2", "-m", "app.cli", "train", "--once"]
+    command = [*TORCHRUN, "-m", "app.cli", "train", "--once"]
     environment = {**os.environ, **settings_environment(settings), **TRAIN_ENV}
     environment["OMP_NUM_THREADS"] = "1"
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
@@ -89,3 +95,58 @@ def test_two_ranks_make_the_update_one_rank_makes(
     print(f"1 rank vs 2 ranks: max |Δ LoRA weight| {difference:.2e}, largest B {moved:.2e}")
     assert moved > 1e-3
     assert difference <= TOLERANCE
+
+
+def test_the_trainer_under_torchrun_trains_a_requested_cycle_on_two_ranks_and_stops(
+    registry: Engine,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    base_served: Served,
+    tmp_path: Path,
+) -> None:
+    record(registry, base_served[:64], lambda task, done: float(solves(task, done)))
+    settings = settings_for(vllm_server, tiny_model_dir, tmp_path).model_copy(
+        update={"train_interval": timedelta(hours=1)}
+    )
+    with session_scope(registry) as session:
+        request_training_cycle(session, Actor("ops"))
+    environment = {**os.environ, **settings_environment(settings), **TRAIN_ENV}
+    environment["OMP_NUM_THREADS"] = "1"
+    log = tmp_path / "trainer.log"
+    with log.open("w") as output:
+        trainer = subprocess.Popen(
+            [*TORCHRUN, "-m", "app.cli", "trainer"],
+            env=environment,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while (run := requested_run(registry)) is None:
+            assert trainer.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        assert run.status == TrainingRunStatus.published, run.reason
+        assert run.stats is not None and run.stats["ranks"] == 2
+
+        os.killpg(trainer.pid, signal.SIGTERM)  # as `docker stop` does: every process
+        trainer.wait(timeout=60)
+        assert "cycle finished" in log.read_text()
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+
+
+def requested_run(engine: Engine) -> TrainingRun | None:
+    """The run an ops request started, once it has finished."""
+    with session_scope(engine) as session:
+        run = session.scalars(
+            select(TrainingRun).where(
+                TrainingRun.trigger == CycleTrigger.request, TrainingRun.finished_at.is_not(None)
+            )
+        ).first()
+        if run is not None:
+            session.expunge(run)
+        return run

@@ -221,10 +221,15 @@ def ab_table(body: dict[str, Any]) -> str:
             f" {_cell(metrics['dissatisfied_rate'], True):<30}"
             f" {p50_text:>7}  {_cell(metrics['mean_reward'], False)}"
         )
+    switched = sum(arm.get("switched_users", 0) for arm in body["arms"])
+    lines.append(
+        f"intervals over {body.get('unit', 'user')}s, each in the arm of their first exposure;"
+        f" {switched} seen in two arms left out"
+    )
     ratio = body.get("sample_ratio")
     if ratio:
         lines.append(
-            f"sample ratio check: p = {ratio['p_value']:.3f}"
+            f"sample ratio check (users at first exposure): p = {ratio['p_value']:.3f}"
             + ("  MISMATCH: do not trust these results" if ratio["mismatch"] else "  ok")
         )
     return "\n".join(lines)

@@ -1,23 +1,27 @@
-"""Experiment results latency on a million samples: the SQL alone, the service, the endpoint.
+"""Experiment results latency on a million samples, while samples keep arriving.
 
 Starts its own embedded Postgres, Kafka and Redis under a temporary directory, seeds one
 running 90/10 experiment with --samples samples (and their final rewards) by COPY, builds
 the analytics rollups once (timed), then calls, --repeat times each,
-  sql        the three rollup queries (per-arm sums, latency histograms, users),
-  service    those queries plus the statistics (`experiment_results`),
+  service    the per-user reads and the statistics (`experiment_results`),
   endpoint   GET /analytics/experiments/{id}/results through the ASGI app,
+  live       while --rate samples a second (with their final rewards) are written by
+             another connection: a rollup refresh (`refresh_rollups`, which adds what
+             arrived since the last one) followed by the endpoint, timed together,
 and prints p50/p95 of each, and the cost of a refresh with nothing new. The target is p95
-under 500 ms for the endpoint.
+under 500 ms for `live`.
 
-    python -m bench.analytics [--samples 1000000] [--users 20000] [--repeat 20]
+    python -m bench.analytics [--samples 1000000] [--users 20000] [--repeat 20] [--rate 1000]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,7 +34,6 @@ import psycopg
 from fastapi.testclient import TestClient
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from app.abtest.repository import arm_histogram_query, arm_sums_query, arm_users_query
 from app.abtest.rollups import refresh_rollups
 from app.analytics.router import router as analytics_router
 from app.analytics.schemas import Window
@@ -80,15 +83,33 @@ def seed_registry(database_url: str) -> int:
     return experiment_id
 
 
+@functools.cache
+def population(users: int) -> list[str]:
+    """The hashes of the bench's users, the same for the seed and the live arrivals."""
+    return [
+        uuid.UUID(int=int(u)).hex * 2 for u in np.random.default_rng(7).integers(0, 2**63, users)
+    ]
+
+
 def sample_chunks(
-    n: int, users: int, experiment_id: int, chunk: int = 50_000
+    n: int,
+    users: int,
+    experiment_id: int,
+    chunk: int = 50_000,
+    first_id: int = 1,
+    start: datetime | None = None,
+    span_s: float = 14 * 86_400,
+    now: bool = False,
 ) -> Iterator[tuple[bytes, bytes]]:
-    """COPY text of samples and their rewards, `chunk` rows at a time."""
-    rng = np.random.default_rng(7)
-    start = datetime.now(UTC) - timedelta(days=14)
+    """COPY text of samples and their rewards, `chunk` rows at a time, served over `span_s`
+    seconds from `start` (by default 14 days ago); with `now`, all served now."""
+    start = start or datetime.now(UTC) - timedelta(days=14)
     tokens = "{" + ",".join(str(t) for t in range(64)) + "}"
     logprobs = "{" + ",".join("-0.5" for _ in range(64)) + "}"
-    user_hashes = [uuid.UUID(int=int(u)).hex * 2 for u in rng.integers(0, 2**63, users)]
+    user_hashes = population(users)
+    rng = np.random.default_rng(7 + first_id)
+    # Seeded rows carry their own write times; live ones get the database's (as the workers').
+    stamp = "" if now else "\t{}"
     for offset in range(0, n, chunk):
         size = min(chunk, n - offset)
         user = rng.integers(0, users, size)
@@ -101,19 +122,19 @@ def sample_chunks(
         tool_calls = (rng.random(size) < 0.2).astype(int)
         malformed = tool_calls * (rng.random(size) < 0.02)
         # Samples arrive in time order, as they do from the gateway.
-        span = 14 * 86_400
-        served = np.sort(rng.uniform(span * offset / n, span * (offset + size) / n, size))
+        served = np.sort(rng.uniform(span_s * offset / n, span_s * (offset + size) / n, size))
         samples, rewards = [], []
         for i in range(size):
-            sid = offset + i + 1
+            sid = first_id + offset + i
             arm = "treatment" if treatment[i] else "control"
             checkpoint = "ckpt-1" if treatment[i] else "base"
-            served_at = (start + timedelta(seconds=float(served[i]))).isoformat()
+            moment = datetime.now(UTC) if now else start + timedelta(seconds=float(served[i]))
+            served_at = moment.isoformat()
             samples.append(
                 f"{sid}\t{uuid.uuid4()}\tr-{sid}\ts-{user[i]}\t{user_hashes[user[i]]}\t"
                 f"{checkpoint}\t{experiment_id}\t{arm}\tf\tf\tt\tt\tt\tf\t{tokens}\t{logprobs}\t"
                 f"400\tok\t{latency[i] / 4:.1f}\t{latency[i]:.1f}\t{tool_calls[i]}\t"
-                f"{malformed[i]}\t{served_at}\t{served_at}\n"
+                f"{malformed[i]}\t{served_at}{stamp.format(served_at)}\n"
             )
             components = {
                 "edit_requested": True,
@@ -130,7 +151,7 @@ def sample_chunks(
             reward = float(kept[i]) - 0.5 * bool(components["dissatisfied"])
             rewards.append(
                 f"{sid}\t{orjson.dumps(components).decode()}\t{reward}\t1\t{served_at}\t"
-                f"{served_at}\t{served_at}\n"
+                f"{served_at}{stamp.format(served_at)}\n"
             )
         yield "".join(samples).encode(), "".join(rewards).encode()
 
@@ -151,6 +172,48 @@ def seed_samples(conninfo: str, n: int, users: int, experiment_id: int) -> float
         conn.execute("VACUUM ANALYZE samples")
         conn.execute("VACUUM ANALYZE rewards")
     return time.perf_counter() - started
+
+
+class Arrivals:
+    """Writes `rate` samples a second (with final rewards) from another connection."""
+
+    def __init__(self, conninfo: str, experiment_id: int, users: int, first_id: int, rate: int):
+        self.conninfo, self.experiment_id, self.users = conninfo, experiment_id, users
+        self.next_id, self.rate = first_id, rate
+        self.written = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="arrivals", daemon=True)
+
+    def __enter__(self) -> Arrivals:
+        self.started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.elapsed = time.perf_counter() - self.started
+
+    def _run(self) -> None:
+        batch = max(1, self.rate // 20)  # every 50 ms, as a gateway's worker batches
+        samples = SAMPLE_COLUMNS.removesuffix(", created_at")
+        rewards = REWARD_COLUMNS.removesuffix(", updated_at")
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            conn.execute("SET session_replication_role = replica")
+            due = time.perf_counter()
+            while not self._stop.is_set():
+                for sample_text, reward_text in sample_chunks(
+                    batch, self.users, self.experiment_id, first_id=self.next_id, now=True
+                ):
+                    with conn.transaction():
+                        with conn.cursor().copy(f"COPY samples ({samples}) FROM STDIN") as copy:
+                            copy.write(sample_text)
+                        with conn.cursor().copy(f"COPY rewards ({rewards}) FROM STDIN") as copy:
+                            copy.write(reward_text)
+                self.next_id += batch
+                self.written += batch
+                due += batch / self.rate
+                self._stop.wait(max(0.0, due - time.perf_counter()))
 
 
 def percentiles(timings: list[float]) -> str:
@@ -188,6 +251,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--users", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--rate", type=int, default=1_000, help="samples a second, live")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-") as tmp:
@@ -208,22 +272,8 @@ def main() -> None:
             print(f"rollups built from scratch in {time.perf_counter() - started:.1f} s")
             with psycopg.connect(conninfo, autocommit=True) as conn:
                 # What autovacuum does soon after in production: statistics for the planner.
-                conn.execute("ANALYZE hourly_rollups, experiment_users, experiment_user_days")
-            queries = [
-                arm_sums_query(experiment_id, None, None),
-                arm_histogram_query(experiment_id, None, None),
-                arm_users_query(experiment_id, None, None),
-            ]
-            sql = [str(q.compile(engine, compile_kwargs={"literal_binds": True})) for q in queries]
-            with psycopg.connect(conninfo) as conn:
-
-                def run_sql() -> None:
-                    for statement in sql:
-                        conn.execute(statement).fetchall()
-
-                print(f"sql        {percentiles(timed(run_sql, args.repeat))}")
+                conn.execute("ANALYZE")
             print(f"refresh    {percentiles(timed(lambda: refresh_rollups(engine), 5))} (no news)")
-            engine.dispose()
             service = asyncio.run(service_timings(url, experiment_id, args.repeat))
             print(f"service    {percentiles(service)}")
 
@@ -234,11 +284,9 @@ def main() -> None:
                 redis_url=stack.url("redis"),
                 rate_limit_per_minute=100_000,
             )
-            engine = make_engine(url)
             with session_scope(engine) as session:
                 row, secret = new_api_key(name="bench-analyst", role=Role.analyst)
                 session.add(row)
-            engine.dispose()
             app = create_app(settings)
             if not any(getattr(r, "path", "").startswith("/analytics") for r in app.routes):
                 app.include_router(analytics_router)
@@ -250,6 +298,26 @@ def main() -> None:
                     client.get(path, headers=headers).raise_for_status()
 
                 print(f"endpoint   {percentiles(timed(call, args.repeat))}")
+
+                def refresh_and_call() -> None:
+                    refresh_rollups(engine)
+                    call()
+
+                arrivals = Arrivals(
+                    conninfo, experiment_id, args.users, args.samples + 1, args.rate
+                )
+                with arrivals:
+                    time.sleep(2)  # arrivals under way before the clock starts
+                    live = timed(refresh_and_call, args.repeat)
+                rate = arrivals.written / arrivals.elapsed
+                print(
+                    f"live       {percentiles(live)}  refresh + endpoint while"
+                    f" {rate:,.0f} samples/s arrive ({arrivals.written:,} written)"
+                )
+                body = client.get(path, headers=headers).json()
+                total = sum(arm["requests"] for arm in body["arms"])
+                print(f"the results now count {total:,} requests")
+            engine.dispose()
         finally:
             stack.down()
 

@@ -51,6 +51,11 @@ function chartBox(parent, title, width, height) {
   return node("svg:svg", { width, height, viewBox: `0 0 ${width} ${height}`, role: "img" }, box);
 }
 
+// The comparison shown: CUPED's when it was asked for and could be made.
+function versus(metric, results) {
+  return (results.cuped && metric.cuped) || metric.vs_control;
+}
+
 // One metric: a dot per arm, an error bar for each treatment arm, a dashed line at control.
 function drawArmMetric(parent, results, metric, title) {
   const arms = results.arms.filter((arm) => arm.metrics[metric] && arm.metrics[metric].value !== null);
@@ -59,7 +64,7 @@ function drawArmMetric(parent, results, metric, title) {
   const controlValue = control ? control.metrics[metric].value : null;
   const intervals = arms.map((arm) => {
     const m = arm.metrics[metric];
-    const vs = m.vs_control;
+    const vs = versus(m, results);
     if (arm.is_control || !vs || vs.ci_low === null || controlValue === null) return [m.value, m.value];
     return [controlValue + vs.ci_low, controlValue + vs.ci_high];
   });
@@ -94,7 +99,7 @@ function drawArmMetric(parent, results, metric, title) {
       }
     }
     const dot = node("svg:circle", { cx: x(metricValue.value), cy: y, r: 4, fill: color }, svg);
-    const vs = metricValue.vs_control;
+    const vs = versus(metricValue, results);
     const detail = vs
       ? `${format(metricValue.value)} (Δ ${format(vs.difference)}, p=${format(vs.p_value, 2)})`
       : format(metricValue.value);
@@ -107,16 +112,22 @@ function drawArmTable(table, results) {
   const head = node("tr", {}, node("thead", {}, table));
   ["metric", ...results.arms.map((arm) => arm.arm)].forEach((label) => node("th", {}, head, label));
   const body = node("tbody", {}, table);
-  const rows = [["users", (arm) => String(arm.users)], ["requests", (arm) => String(arm.requests)]];
+  const rows = [
+    ["users", (arm) => String(arm.users)],
+    ["switched users (left out)", (arm) => String(arm.switched_users)],
+    ["requests", (arm) => String(arm.requests)],
+  ];
   for (const [metric, title] of ARM_METRICS) {
     rows.push([title, (arm) => {
       const m = arm.metrics[metric];
       if (!m) return "–";
-      const vs = m.vs_control;
+      const vs = versus(m, results);
       if (!vs) return format(m.value);
       const lift = vs.relative_difference === null ? "" : ` ${(vs.relative_difference * 100).toFixed(1)}%`;
+      const saved = vs.variance_reduction === null || vs.variance_reduction === undefined
+        ? "" : `, CUPED −${(vs.variance_reduction * 100).toFixed(0)}% variance`;
       return `${format(m.value)} (${vs.difference >= 0 ? "+" : ""}${format(vs.difference)}${lift}, ` +
-        `[${format(vs.ci_low)}, ${format(vs.ci_high)}], p=${format(vs.p_value, 2)})`;
+        `[${format(vs.ci_low)}, ${format(vs.ci_high)}], p=${format(vs.p_value, 2)}${saved})`;
     }]);
   }
   for (const [label, cell] of rows) {
@@ -127,7 +138,8 @@ function drawArmTable(table, results) {
 }
 
 async function showExperiment(id) {
-  const results = await api(`/analytics/experiments/${encodeURIComponent(id)}/results`);
+  const cuped = document.getElementById("cuped-toggle").checked ? "?cuped=true" : "";
+  const results = await api(`/analytics/experiments/${encodeURIComponent(id)}/results${cuped}`);
   const experiment = results.experiment;
   document.getElementById("experiment-summary").textContent =
     `${experiment.name}: ${experiment.status}, route ${experiment.route}, arms ` +
@@ -136,7 +148,8 @@ async function showExperiment(id) {
   const srm = results.sample_ratio;
   ratio.className = srm && srm.mismatch ? "mismatch" : "muted";
   ratio.textContent = srm
-    ? `Sample ratio ${srm.mismatch ? "MISMATCH — results unreliable" : "OK"} (χ² p=${format(srm.p_value, 2)})`
+    ? `Sample ratio of users at first exposure ${srm.mismatch ? "MISMATCH — results unreliable" : "OK"} ` +
+      `(χ² p=${format(srm.p_value, 2)} over ${srm.ramp_periods} ramp period${srm.ramp_periods === 1 ? "" : "s"})`
     : "Sample ratio: no users yet";
   const charts = document.getElementById("arm-charts");
   charts.replaceChildren();
@@ -255,7 +268,9 @@ async function main() {
     for (const experiment of experiments) {
       node("option", { value: experiment.id }, select, `${experiment.name} (${experiment.status})`);
     }
-    select.addEventListener("change", () => showExperiment(select.value).catch((e) => { status.textContent = e.message; }));
+    const show = () => showExperiment(select.value).catch((e) => { status.textContent = e.message; });
+    select.addEventListener("change", show);
+    document.getElementById("cuped-toggle").addEventListener("change", show);
     const trends = document.getElementById("trend-charts");
     drawTrend(trends, series.series, "mean_reward", "Mean reward per checkpoint (daily)");
     drawTrend(trends, series.series, "kept", "Kept rate per checkpoint (daily)");

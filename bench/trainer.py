@@ -273,12 +273,12 @@ def report(
 ) -> None:
     print(f"run_cycle {timeline.events[-1][0]:.1f} s wall:")
     timeline.print()
-    update_from, update_to = timeline.at("production held-out"), timeline.at("epoch ")
-    if stats and update_from is not None and update_to is not None:
+    selected, drift = timeline.at("on-policy samples"), timeline.at("drift over")
+    if stats and selected is not None and drift is not None:
         loop = stats["update_seconds"]
         print(
-            f"  update_policy {update_to - update_from:.1f} s: logprob recomputation "
-            f"{update_to - update_from - loop:.1f} s, optimizer loop {loop:.1f} s"
+            f"  policy load + every sampled token's logprob recomputed (drift check, PPO's "
+            f"old logprobs) {drift - selected:.1f} s; optimizer loop {loop:.1f} s"
         )
     if stats:
         update = stats["tokens_per_s"]

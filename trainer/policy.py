@@ -16,9 +16,9 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 def pick_device(config: TrainConfig, world: World = SINGLE) -> torch.device:
     """The configured device, else this rank's GPU when there is one, else the CPU."""
-    if config.device:
+    if config.device and config.device != "cuda":
         return torch.device(config.device)
-    if torch.cuda.is_available():
+    if config.device == "cuda" or torch.cuda.is_available():
         return torch.device("cuda", world.local_rank)
     return torch.device("cpu")
 

@@ -100,7 +100,7 @@ def update_policy(
             policy,
             device_ids=[device.index] if device.type == "cuda" else None,
             init_sync=False,
-            broadcast_buffers=False,
+            forward_sync_buffers=False,
         )
     model = ddp or policy
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)

@@ -104,8 +104,11 @@ def update_policy(
         )
     model = ddp or policy
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
-    # fp16 activations underflow in the backward pass without loss scaling.
-    scaler = torch.amp.GradScaler(device.type, enabled=policy_dtype(config, device) == "fp16")
+    # fp16 activations underflow in the backward pass without loss scaling. A cycle takes few
+    # steps: start at a scale that seldom overflows (2^16 skipped the first step of three).
+    scaler = torch.amp.GradScaler(
+        device.type, init_scale=2.0**10, enabled=policy_dtype(config, device) == "fp16"
+    )
     generator = torch.Generator().manual_seed(config.seed)
     totals = [0.0] * (len(STAT_NAMES) + 1)  # token-weighted sums of each stat, then tokens
     steps, started = 0, time.perf_counter()

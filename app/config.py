@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     """How often workers test running canaries against their guardrails and roll back the
     harmful ones (seconds or ISO 8601); unset: only when ops ask (`/admin/guardrails/check`)."""
 
+    auth_failures_per_minute: int = Field(default=30, ge=1)
+    """Failed authentications one client address may make per minute before it waits (429)."""
+
     trust_proxy_headers: bool = False
     """Behind a TLS-offloading proxy: take the scheme from X-Forwarded-Proto (dashboard cookies
     are then marked Secure). Only where the proxy overwrites the header clients send."""

@@ -73,7 +73,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.session_maker = session_maker
             app.state.redis = redis
             app.state.sink = sink
-            app.state.authenticator = Authenticator(session_maker)
+            app.state.authenticator = Authenticator(
+                session_maker, failures_per_minute=settings.auth_failures_per_minute
+            )
             app.state.browser_sessions = BrowserSessions(redis)
             app.state.rate_limiter = RateLimiter(redis, settings.rate_limit_per_minute)
             app.state.gateway = Gateway(

@@ -190,10 +190,16 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 
 
 def open_loop(
-    engine: Engine, stack: EmbeddedStack, vllm: VllmServer, model_dir: Path, root: Path
+    engine: Engine,
+    stack: EmbeddedStack,
+    vllm: VllmServer,
+    model_dir: Path,
+    root: Path,
+    **overrides: Any,
 ) -> Loop:
-    """A gateway and one worker over the session's services, with an IDE key to drive them."""
-    settings = external_settings(stack, vllm, model_dir, root)
+    """A gateway and one worker over the session's services, with an IDE key to drive them
+    (`overrides`: settings by field name)."""
+    settings = external_settings(stack, vllm, model_dir, root).model_copy(update=overrides)
     with session_scope(engine) as session:
         ensure_base_checkpoint(session, str(model_dir))
     loop = Loop(settings, engine, stack, make_key(engine, Role.ide), root)

@@ -46,7 +46,16 @@ def hostile(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Loop]:
     """One gateway and worker for the whole module: fuzzing is many short requests."""
-    loop = open_loop(engine, stack, vllm_server, tiny_model_dir, tmp_path_factory.mktemp("hostile"))
+    # Every route is tried with bad keys from this one address: lift the failed-login limit
+    # (tested in tests/auth) so each answer shows the route's own check.
+    loop = open_loop(
+        engine,
+        stack,
+        vllm_server,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("hostile"),
+        auth_failures_per_minute=100_000,
+    )
     try:
         yield loop
     finally:

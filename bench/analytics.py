@@ -113,7 +113,7 @@ def sample_chunks(
     for offset in range(0, n, chunk):
         size = min(chunk, n - offset)
         user = rng.integers(0, users, size)
-        treatment = rng.random(size) < 0.1
+        treatment = user % 10 == 0  # users are assigned, not requests: a tenth are treated
         latency = rng.lognormal(6.5, 0.6, size) * np.where(treatment, 1.05, 1.0)
         accepted = rng.random(size) < np.where(treatment, 0.42, 0.40)
         kept = np.where(accepted, rng.beta(4, 2, size), 0.0)
@@ -315,8 +315,9 @@ def main() -> None:
                     f" {rate:,.0f} samples/s arrive ({arrivals.written:,} written)"
                 )
                 body = client.get(path, headers=headers).json()
-                total = sum(arm["requests"] for arm in body["arms"])
-                print(f"the results now count {total:,} requests")
+                requests = sum(arm["requests"] for arm in body["arms"])
+                users = sum(arm["users"] for arm in body["arms"])
+                print(f"the results now count {requests:,} requests of {users:,} users")
             engine.dispose()
         finally:
             stack.down()

@@ -203,10 +203,10 @@ def arm_users_statement(*, window: bool, ramps: int, cuped: bool) -> TextClause:
         GROUP BY d.user_hash, e.arm, e.first_served_at, e.arms_seen"""
     else:
         per_user = f"""
-        SELECT u.user_hash, e.arm, e.first_served_at, e.arms_seen, {_per_user_columns("u")}
-        FROM experiment_users u JOIN exposure e ON e.user_hash = u.user_hash
-        WHERE u.experiment_id = :experiment_id
-        GROUP BY u.user_hash, e.arm, e.first_served_at, e.arms_seen"""
+        SELECT user_hash, (array_agg(arm ORDER BY first_served_at, arm))[1] AS arm,
+               min(first_served_at) AS first_served_at, count(*) AS arms_seen,
+               {_per_user_columns("experiment_users")}
+        FROM experiment_users WHERE experiment_id = :experiment_id GROUP BY user_hash"""
     source = "per_user"
     pre = ""
     if cuped:
@@ -227,7 +227,7 @@ def arm_users_statement(*, window: bool, ramps: int, cuped: bool) -> TextClause:
         moments += ",\n       " + _moment_columns(_PRE_COLUMNS, _PRE_PAIRS)
     statement = text(
         f"""
-    WITH exposure AS ({exposure}),
+    WITH {f"exposure AS ({exposure})," if window else ""}
     per_user AS ({per_user}){pre}
     SELECT arm, {period} AS period,
            count(*) AS exposed,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 import pytest
+import statsmodels.api as sm
 from scipy import stats
 from sqlalchemy import Engine, select
 
@@ -145,3 +146,44 @@ def test_checking_after_every_batch_keeps_false_alarms_below_alpha() -> None:
         )
     assert naive_alarms / runs > 2 * alpha
     assert sequential_alarms / runs <= alpha
+
+
+def test_the_sequence_uses_the_variance_over_users(seeder: Seeder, app_engine: Engine) -> None:
+    """The mSPRT's variance is the delta method's over users, as statsmodels clusters it."""
+    experiment_id, rows = seeder(
+        [
+            SeededArm(
+                "control",
+                "gu-base",
+                5_000,
+                Behaviour(users=200, requests_per_user=3, most_requests_per_user=30),
+                is_control=True,
+            ),
+            SeededArm(
+                "canary",
+                "gu-new",
+                5_000,
+                Behaviour(users=200, requests_per_user=3, most_requests_per_user=30),
+            ),
+        ],
+        seed=34,
+    )
+
+    decisions = check_guardrails(app_engine, rollback=False)
+
+    verdict = next(
+        d for d in decisions if d.experiment_id == experiment_id and d.metric == "latency_mean_ms"
+    )
+    variance = 0.0
+    for arm in ("canary", "control"):
+        frame = rows[rows.arm == arm]
+        fit = sm.OLS(frame.latency_ms.to_numpy(), np.ones(len(frame))).fit(
+            cov_type="cluster", cov_kwds={"groups": pd.factorize(frame.user_hash)[0]}
+        )
+        variance += float(fit.cov_params()[0, 0])
+    guardrail = next(g for g in GUARDRAILS if g.metric == "latency_mean_ms")
+    low, high = confidence_sequence(
+        verdict.difference or 0.0, variance, guardrail.tau, verdict.alpha
+    )
+    assert (verdict.ci_low, verdict.ci_high) == (pytest.approx(low), pytest.approx(high))
+    assert (verdict.canary_users, verdict.control_users) == (200, 200)

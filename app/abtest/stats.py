@@ -23,9 +23,10 @@ coefficient), and the variance from the 4x4 covariance of (Y, N, X, M) by the de
 Percentiles (of request latency) keep their request-level value, read from the arm's
 histogram; their standard error is the iid one (Koenker's sparsity estimate, "Quantile
 Regression" 2005, §3.4) times the design effect of the user clusters at the quantile: the
-delta-method variance of the share of requests below it, Deng et al. 2018 §4.3 (GrowthBook's
-`QuantileClusteredStatistic`), over USER_GROUPS random groups of users — whole users per
-group, so the groups are independent clusters — against its binomial variance.
+delta-method variance of the share of requests below it, as Deng et al. 2018 treat
+percentile metrics (GrowthBook's `QuantileClusteredStatistic`), over USER_GROUPS random
+groups of users (whole users per group, so the groups are independent clusters), against
+its binomial variance.
 
 The sample-ratio check (Fabijan et al., KDD 2019) counts each user once, in the arm of their
 first exposure, against the weights in force at that time, flagged below p = 0.001.

@@ -38,6 +38,7 @@ from app.registry.flags import TRAINING_PAUSED, request_training_cycle, set_flag
 from app.registry.schedule import claim_cycle, next_cycle_at
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
+from app.signals.rewards import RewardComponents
 from app.tasks import train_tasks
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle, skip_reason
@@ -48,6 +49,21 @@ from trainer.task_family import task_family_held_out
 OPS = Actor("ops")
 TRAINER = Actor("trainer")
 MINUTE = timedelta(minutes=1)
+
+
+KEPT = RewardComponents(
+    edit_requested=True,
+    proposed_edit=True,
+    accepted=True,
+    kept=1.0,
+    survival_elapsed_s=900.0,
+    dissatisfied=None,
+    latency_ms=2.0,
+    latency_over_budget=False,
+    malformed_tool_calls=0,
+    status="ok",
+)
+"""What a stored reward of these samples is made of: an edit kept whole."""
 
 
 @pytest.fixture
@@ -182,7 +198,7 @@ def store_samples(
             session.add(
                 Reward(
                     sample_id=row.id,
-                    components={},
+                    components=KEPT.model_dump(mode="json"),
                     reward=1.0,
                     reward_version=1,
                     due_at=now,

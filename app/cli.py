@@ -233,13 +233,16 @@ def checkpoints_reconcile() -> None:
 def gateway(
     host: str | None = typer.Option(None, help="Bind address (default RTRL_GATEWAY_HOST)."),
     port: int | None = typer.Option(None, help="Port (default RTRL_GATEWAY_PORT)."),
+    workers: int = typer.Option(
+        1, min=1, help="Processes sharing the port, each with its own spool directory."
+    ),
 ) -> None:
     """Serve the OpenAI-compatible gateway, feedback, admin and analytics APIs (uvicorn)."""
     from app.main import run_gateway
 
     settings = get_settings()
     updates = {k: v for k, v in {"gateway_host": host, "gateway_port": port}.items() if v}
-    run_gateway(settings.model_copy(update=updates))
+    run_gateway(settings.model_copy(update=updates), workers=workers)
 
 
 @spool_cli.command("replay")

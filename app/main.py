@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import os
+import signal
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from multiprocessing.process import BaseProcess as SpawnProcess
+from types import FrameType
 from typing import Any
 
 import anyio
@@ -42,6 +49,8 @@ log = logging.getLogger(__name__)
 READINESS_TIMEOUT_S = 2.0
 STRAGGLERS_S = 5.0
 """How long uvicorn waits past the drain for requests still running before it cancels them."""
+WORKER_STARTUP_S = 10.0
+"""A worker process that exits sooner than this after its start failed to start."""
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -116,11 +125,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def run_gateway(settings: Settings | None = None) -> None:
+def run_gateway(settings: Settings | None = None, *, workers: int = 1) -> None:
     """Serve the gateway with uvicorn on the configured host and port (blocks); SIGTERM
-    drains it first (`app.shutdown`)."""
+    drains it first (`app.shutdown`). With `workers` > 1, that many processes share the
+    listening socket, each with its own spool directory (`serve_workers`)."""
     settings = settings or get_settings()
     configure_logging()
+    if workers > 1:
+        raise SystemExit(serve_workers(settings, workers))
+    _draining_server(settings).run()
+
+
+def _draining_server(settings: Settings) -> DrainingServer:
     app = create_app(settings)
 
     def drain_spool(timeout_s: float) -> bool:
@@ -135,7 +151,69 @@ def run_gateway(settings: Settings | None = None) -> None:
         access_log=False,
         timeout_graceful_shutdown=int(STRAGGLERS_S),
     )
-    DrainingServer(config, app.state.shutdown, drain_spool).run()
+    return DrainingServer(config, app.state.shutdown, drain_spool)
+
+
+def serve_workers(settings: Settings, workers: int) -> int:
+    """Run `workers` gateway processes on one listening socket until SIGTERM or SIGINT;
+    the exit status.
+
+    Each worker is a whole gateway: it claims a spool directory of its own under
+    `RTRL_DATA_DIR/spool` (or one a stopped gateway left), adopts free ones, and drains on
+    SIGTERM, which this process passes on before it waits for them. A worker that dies is
+    replaced, and its replacement carries on with the spool it left; one that dies within
+    `WORKER_STARTUP_S` of its start stops them all (exit status 1), as its replacements
+    would fail the same way.
+    """
+    listening = uvicorn.Config(
+        "app.main:create_app", host=settings.gateway_host, port=settings.gateway_port
+    ).bind_socket()
+    context = multiprocessing.get_context("spawn")
+    stop_requested = threading.Event()
+
+    def start() -> tuple[SpawnProcess, float]:
+        process = context.Process(
+            target=_serve_worker, args=(settings, listening), name="rtrl-gateway-worker"
+        )
+        process.start()
+        log.info("gateway worker %d started", process.pid)
+        return process, time.monotonic()
+
+    def pass_on(signum: int, frame: FrameType | None) -> None:
+        stop_requested.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, pass_on)
+    running = [start() for _ in range(workers)]
+    status = 0
+    while not stop_requested.wait(0.25):
+        for index, (process, started) in enumerate(running):
+            if process.is_alive():
+                continue
+            if time.monotonic() - started < WORKER_STARTUP_S:
+                log.error(
+                    "gateway worker %d exited %s while starting; stopping",
+                    process.pid,
+                    process.exitcode,
+                )
+                status = 1
+                stop_requested.set()
+                break
+            log.warning("gateway worker %d exited %s; replacing it", process.pid, process.exitcode)
+            running[index] = start()
+    for process, _ in running:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGTERM)
+    for process, _ in running:
+        process.join()
+    listening.close()
+    return status
+
+
+def _serve_worker(settings: Settings, listening: socket.socket) -> None:
+    """One process of `serve_workers`."""
+    configure_logging()
+    _draining_server(settings).run(sockets=[listening])
 
 
 async def healthz() -> dict[str, str]:
@@ -177,6 +255,8 @@ async def readyz(request: Request) -> JSONResponse:
         "checks": checks,
         "failing": [name for name, ok in checks.items() if not ok],
         "kafka_connected": sink.kafka_connected,
+        "pid": os.getpid(),
+        "spool": str(sink.disk.directory),
         "spooled_events": sink.depth,
         "spool_retained": sink.retained,
     }

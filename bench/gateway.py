@@ -1,55 +1,78 @@
-"""Gateway overhead: latency added and throughput, against the same upstream called directly.
+"""Gateway overhead as an outside client sees it: latency added at a constant request rate.
 
-Starts its own embedded Postgres, Kafka and Redis, a gateway process (`run_gateway`) and,
-as the upstream, either
-  fixed    a tiny OpenAI-shaped server that answers every chat completion after a fixed
-           delay (default 20 ms) with a vLLM-sized body (token ids, per-token logprobs), so
-           the difference between the two paths is the gateway's own cost; or
-  vllm     a real vLLM server (started on --model-dir, or one already at --vllm-url).
-For each upstream it sends the same open-loop load (--rate requests/s for --seconds) once
-directly and once through the gateway, then a closed-loop burst for throughput, and prints
-p50/p99 of both paths and their difference.
+Starts its own embedded Postgres, Kafka and Redis, a fixed-latency upstream (a tiny
+OpenAI-shaped server that answers every chat completion after --delay-ms with a vLLM-sized
+body: 100 completion tokens, their ids and logprobs; streamed in --stream-chunks chunks when
+asked) and a gateway process in front of it, with two checkpoints in a running 50/50
+experiment. The load comes from `hey` (Go, apt package `hey`; installed with apt-get when
+missing), so the load generator does not compete for the gateway's interpreter, and the
+feedback traffic from `curl`, one unique batch per POST at --feedback-rate batches/s.
 
-    python -m bench.gateway [--rate 100] [--seconds 20] [--delay-ms 20]
-                            [--model-dir DIR | --vllm-url URL]
+Each round measures, in alternating order, the upstream called directly and the gateway in
+front of it: non-streaming (hey's total time per request) and streaming (hey's
+"response-delay": request written to first response byte, TTFB, and the total). Feedback
+is posted to the gateway while the gateway is measured. Then a sweep of rates finds the
+highest at which the p99 added stays within --p99-budget-ms. With --profile, py-spy samples
+the gateway through one more non-streaming and one more streaming phase and the report
+ends with the frames that took its time.
+
+    python -m bench.gateway [--rate 100] [--seconds 20] [--rounds 3] [--delay-ms 20]
+                            [--feedback-rate 10] [--sweep 100,150,200,300]
+                            [--gateway-workers 1] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import csv
+import io
+import math
 import os
-import random
+import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 
 from app.auth.service import new_api_key
 from app.db import make_engine, session_scope
 from app.embedded.process import free_port, wait_for_port
 from app.embedded.stack import EmbeddedStack
-from app.models import Role
+from app.models import Checkpoint, CheckpointStatus, Role
+from app.registry.experiments import start_canary
 from app.serving.checkpoints import ensure_base_checkpoint
 
 PROMPT = [{"role": "user", "content": "Write f(x) that returns x plus 3. " * 8}]
+CHECKPOINTS = ("base", "ckpt-1")
+COMPLETION_TOKENS = 100
+ROOT = Path(__file__).resolve().parents[1]
+SESSION_ID = "bench-session"
+PERIOD_S = 0.1
+"""Each hey process (one connection) sends one request per PERIOD_S: far above the
+latencies measured, so a process rarely waits for an answer past its next tick."""
 
 
 # -- the fixed-latency upstream (a measuring instrument, run in its own process) -------------
 
 
-def fixed_completion(model: str, completion_tokens: int = 100) -> bytes:
+def _logprob_entries(count: int) -> list[dict[str, Any]]:
+    return [{"token": "t", "logprob": -0.5, "bytes": [116], "top_logprobs": []}] * count
+
+
+def fixed_completion(model: str) -> bytes:
     """A non-streaming chat completion shaped and sized like vLLM's, logprobs included."""
-    rng = random.Random(0)
-    tokens = [rng.randrange(32_000) for _ in range(completion_tokens)]
+    tokens = [(7919 * n) % 32_000 for n in range(COMPLETION_TOKENS)]
     return orjson.dumps(
         {
             "id": "chatcmpl-bench",
@@ -60,139 +83,251 @@ def fixed_completion(model: str, completion_tokens: int = 100) -> bytes:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": "def f(x):\n    return x + 3\n"},
-                    "logprobs": {
-                        "content": [
-                            {"token": "t", "logprob": -0.5, "bytes": [116], "top_logprobs": []}
-                            for _ in tokens
-                        ]
-                    },
+                    "logprobs": {"content": _logprob_entries(COMPLETION_TOKENS)},
                     "finish_reason": "stop",
                     "token_ids": tokens,
                 }
             ],
-            "usage": {"prompt_tokens": 300, "completion_tokens": completion_tokens},
-            "prompt_token_ids": [rng.randrange(32_000) for _ in range(300)],
+            "usage": {"prompt_tokens": 300, "completion_tokens": COMPLETION_TOKENS},
+            "prompt_token_ids": [(104_729 * n) % 32_000 for n in range(300)],
         }
     )
 
 
-def serve_fixed_upstream(port: int, delay_ms: float) -> None:
-    """Answer `/v1/chat/completions` after `delay_ms`; `/v1/models` and `/health` at once."""
+def fixed_stream(model: str, chunks: int) -> list[bytes]:
+    """The same completion as vLLM streams it: SSE chunks of a few tokens each, then [DONE]."""
+    per_chunk = max(1, COMPLETION_TOKENS // chunks)
+    events = []
+    for n in range(chunks):
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": "x + 3 " if n else "def f(x): "},
+            "logprobs": {"content": _logprob_entries(per_chunk)},
+            "finish_reason": "stop" if n == chunks - 1 else None,
+            "token_ids": [(7919 * (n * per_chunk + i)) % 32_000 for i in range(per_chunk)],
+        }
+        chunk: dict[str, Any] = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": model,
+            "choices": [choice],
+        }
+        if n == 0:
+            chunk["prompt_token_ids"] = [(104_729 * i) % 32_000 for i in range(300)]
+        events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    return [*events, b"data: [DONE]\n\n"]
+
+
+def serve_fixed_upstream(port: int, delay_ms: float, chunks: int, chunk_gap_ms: float) -> None:
+    """Answer `/v1/chat/completions` after `delay_ms` (the first chunk, when streaming, then
+    one chunk every `chunk_gap_ms`); `/v1/models` (both checkpoints) and `/health` at once."""
     import uvicorn
 
-    body = fixed_completion("base")
-    models = orjson.dumps({"object": "list", "data": [{"id": "base", "object": "model"}]})
+    bodies = {model: fixed_completion(model) for model in CHECKPOINTS}
+    streams = {model: fixed_stream(model, chunks) for model in CHECKPOINTS}
+    models = orjson.dumps(
+        {"object": "list", "data": [{"id": m, "object": "model"} for m in CHECKPOINTS]}
+    )
+    json_headers = [(b"content-type", b"application/json")]
+    sse_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        while (await receive()).get("more_body"):
-            pass
-        if scope["path"] == "/v1/chat/completions":
-            await asyncio.sleep(delay_ms / 1000)
-            content = body
-        elif scope["path"] == "/v1/models":
-            content = models
-        else:
-            content = b"{}"
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": content})
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"] != "/v1/chat/completions":
+            content = models if scope["path"] == "/v1/models" else b"{}"
+            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
+            await send({"type": "http.response.body", "body": content})
+            return
+        request = orjson.loads(raw)
+        model = request.get("model") if request.get("model") in bodies else CHECKPOINTS[0]
+        await asyncio.sleep(delay_ms / 1000)
+        if not request.get("stream"):
+            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
+            await send({"type": "http.response.body", "body": bodies[model]})
+            return
+        # The headers leave with the first token, as a model server's first chunk would.
+        await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
+        events = streams[model]
+        for n, event in enumerate(events):
+            if n and n < len(events) - 1:
+                await asyncio.sleep(chunk_gap_ms / 1000)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-# -- load -------------------------------------------------------------------------------------
+# -- load: hey processes and a curl feedback stream -------------------------------------------
+
+
+def ensure_tools() -> None:
+    """`hey` and `curl` on PATH; installed with apt-get when missing (Debian/Ubuntu, as root)."""
+    missing = [tool for tool in ("hey", "curl") if shutil.which(tool) is None]
+    if not missing:
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        sys.exit(f"error: {', '.join(missing)} not found; install them (apt-get install hey curl)")
+    print(f"installing {' '.join(missing)} with apt-get", flush=True)
+    subprocess.run(["apt-get", "install", "-y", "-q", *missing], check=True, capture_output=True)
 
 
 @dataclass
-class Run:
-    name: str
-    latencies_ms: list[float]
-    errors: int
-    seconds: float
+class Sample:
+    """One request as hey timed it."""
 
-    def quantile(self, q: float) -> float:
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+    total_ms: float
+    first_byte_ms: float
+    status: int
+
+
+@dataclass
+class Phase:
+    """One measured stretch of load on one target."""
+
+    target: str
+    kind: str
+    rate: float
+    seconds: float
+    samples: list[Sample] = field(default_factory=list)
 
     @property
-    def throughput(self) -> float:
-        return len(self.latencies_ms) / self.seconds
+    def ok(self) -> list[Sample]:
+        return [s for s in self.samples if s.status == 200]
+
+    @property
+    def errors(self) -> int:
+        return len(self.samples) - len(self.ok)
+
+    @property
+    def achieved(self) -> float:
+        return len(self.samples) / self.seconds
+
+    def quantile(self, q: float, first_byte: bool = False) -> float:
+        values = [s.first_byte_ms if first_byte else s.total_ms for s in self.ok]
+        return quantile(values, q)
 
 
-Sender = Callable[[aiohttp.ClientSession], Awaitable[int]]
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-async def open_loop(name: str, send: Sender, rate: float, seconds: float) -> Run:
-    """Start one request every 1/rate seconds, whatever the answers do; time each."""
-    latencies: list[float] = []
-    errors = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000)) as client:
-        for _ in range(10):  # warm the connections and caches
-            await send(client)
-
-        async def one() -> None:
-            nonlocal errors
-            started = time.perf_counter()
-            status = await send(client)
-            if status == 200:
-                latencies.append((time.perf_counter() - started) * 1000)
-            else:
-                errors += 1
-
-        tasks = []
-        begin = time.perf_counter()
-        for n in range(int(rate * seconds)):
-            delay = begin + n / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
-        return Run(name, latencies, errors, time.perf_counter() - begin)
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str
+    headers: tuple[str, ...]
+    body: dict[str, Any]
 
 
-async def closed_loop(name: str, send: Sender, workers: int, seconds: float) -> Run:
-    """`workers` clients, each sending its next request as soon as the last is answered."""
-    latencies: list[float] = []
-    errors = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=workers)) as client:
-        begin = time.perf_counter()
-        deadline = begin + seconds
-
-        async def worker() -> None:
-            nonlocal errors
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                if await send(client) == 200:
-                    latencies.append((time.perf_counter() - started) * 1000)
-                else:
-                    errors += 1
-
-        await asyncio.gather(*(worker() for _ in range(workers)))
-        return Run(name, latencies, errors, time.perf_counter() - begin)
+def hey_processes(rate: float) -> int:
+    return max(2, min(40, math.ceil(rate * PERIOD_S)))
 
 
-def chat_sender(
-    url: str, *, headers: dict[str, str], max_tokens: int, body: dict[str, Any] | None = None
-) -> Sender:
-    payload = orjson.dumps(body or {"model": "base", "messages": PROMPT, "max_tokens": max_tokens})
-    base_headers = {**headers, "Content-Type": "application/json"}
+def run_hey(
+    target: Target,
+    *,
+    stream: bool,
+    rate: float,
+    seconds: float,
+    users: list[str],
+    work: Path,
+    side_load: list[list[str]] | None = None,
+) -> Phase:
+    """`rate` requests/s for `seconds` from several single-connection hey processes started
+    one after the other, so their ticks interleave instead of arriving in bursts."""
+    work.mkdir(parents=True, exist_ok=True)
+    body_file = work / f"{target.name}-{'stream' if stream else 'plain'}.json"
+    body_file.write_bytes(orjson.dumps({**target.body, "stream": stream}))
+    count = hey_processes(rate)
+    side = [subprocess.Popen(command, stdout=subprocess.DEVNULL) for command in side_load or []]
+    processes = []
+    for n in range(count):
+        headers = [*target.headers]
+        if target.name == "gateway":
+            headers += ["-H", f"X-User-Id: {users[n % len(users)]}"]
+        command = [
+            "hey",
+            *("-z", f"{seconds:g}s", "-c", "1", "-q", f"{rate / count:.4f}", "-t", "10"),
+            *("-m", "POST", "-T", "application/json", "-D", str(body_file), "-o", "csv"),
+            *headers,
+            f"{target.url}/v1/chat/completions",
+        ]
+        processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+        time.sleep(1 / rate)
+    phase = Phase(target.name, "stream" if stream else "plain", rate, seconds)
+    for process in processes:
+        output, _ = process.communicate(timeout=seconds + 60)
+        rows = list(csv.reader(io.StringIO(output)))[2:]  # the header; the connection's first
+        for row in rows:
+            if len(row) >= 7 and row[0] != "response-time":
+                phase.samples.append(
+                    Sample(float(row[0]) * 1000, float(row[4]) * 1000, int(row[6]))
+                )
+    for process in side:
+        process.wait(timeout=seconds + 60)
+    return phase
 
-    async def send(client: aiohttp.ClientSession) -> int:
-        request_headers = {**base_headers, "X-Request-Id": f"b-{uuid.uuid4().hex}"}
-        async with client.post(
-            f"{url}/v1/chat/completions", data=payload, headers=request_headers
-        ) as response:
-            await response.read()
-            return response.status
 
-    return send
+def feedback_config(
+    path: Path, gateway: str, key: str, request_ids: list[str], batches: int
+) -> None:
+    """A curl config of `batches` POSTs to /v1/feedback, each a new batch of two events."""
+    entries = []
+    for n in range(batches):
+        request_id = request_ids[n % len(request_ids)]
+        events = [
+            {"kind": "edit_accepted", "event_id": str(uuid.uuid4())},
+            {
+                "kind": "edit_survival",
+                "event_id": str(uuid.uuid4()),
+                "elapsed_s": 30,
+                "surviving_share": 0.9,
+            },
+        ]
+        body = orjson.dumps(
+            {"events": [e | {"session_id": SESSION_ID, "request_id": request_id} for e in events]}
+        ).decode()
+        entries.append(
+            "\n".join(
+                [
+                    f'url = "{gateway}/v1/feedback"',
+                    f'header = "Authorization: Bearer {key}"',
+                    'header = "Content-Type: application/json"',
+                    'data = "{}"'.format(body.replace("\\", "\\\\").replace('"', '\\"')),
+                    'output = "/dev/null"',
+                    'write-out = "%{http_code} %{time_total}\\n"',
+                ]
+            )
+        )
+    path.write_text("\nnext\n".join(entries) + "\n")
+
+
+def feedback_command(config: Path, rate: float, out: Path) -> list[str]:
+    return ["sh", "-c", f"curl -s --rate {rate:g}/s -K {config} > {out}"]
+
+
+def read_feedback(path: Path) -> tuple[list[float], int]:
+    latencies, errors = [], 0
+    for line in path.read_text().split("\n"):
+        status, _, seconds = line.partition(" ")
+        if not seconds:
+            continue
+        if status == "202":
+            latencies.append(float(seconds) * 1000)
+        else:
+            errors += 1
+    return latencies, errors
 
 
 # -- processes --------------------------------------------------------------------------------
@@ -205,17 +340,17 @@ def start_process(args: list[str], env: dict[str, str], log: Path) -> subprocess
 
 
 def start_gateway(
-    stack: EmbeddedStack, upstream: str, data_dir: Path, port: int
+    stack: EmbeddedStack, upstream: str, data_dir: Path, port: int, workers: int
 ) -> subprocess.Popen[bytes]:
     env = {
         **stack.environment(),
         "RTRL_DATA_DIR": str(data_dir),
         "RTRL_VLLM_URLS": upstream,
         "RTRL_GATEWAY_PORT": str(port),
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "PYTHONPATH": str(ROOT),
     }
     process = start_process(
-        [sys.executable, "-c", "from app.main import run_gateway; run_gateway()"],
+        [sys.executable, "-c", f"from app.main import run_gateway; run_gateway(workers={workers})"],
         env,
         data_dir / f"gateway-{port}.log",
     )
@@ -231,86 +366,309 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
-def report(title: str, direct: Run, gateway: Run) -> None:
-    print(f"\n{title}")
-    print(f"  {'':10} {'n':>6} {'err':>4} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'req/s':>8}")
-    for run in (direct, gateway):
-        print(
-            f"  {run.name:10} {len(run.latencies_ms):>6} {run.errors:>4} {run.quantile(0.5):>8.2f}"
-            f" {run.quantile(0.9):>8.2f} {run.quantile(0.99):>8.2f} {run.throughput:>8.1f}"
-        )
-    print(
-        f"  {'added':10} {'':>6} {'':>4} {gateway.quantile(0.5) - direct.quantile(0.5):>8.2f}"
-        f" {gateway.quantile(0.9) - direct.quantile(0.9):>8.2f}"
-        f" {gateway.quantile(0.99) - direct.quantile(0.99):>8.2f}"
+def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
+    request = urllib.request.Request(
+        url, data=orjson.dumps(body), headers={**headers, "Content-Type": "application/json"}
     )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return bytes(response.read())
 
 
-def measure(
-    label: str,
-    upstream: str,
-    gateway: str,
-    key: str,
-    *,
-    rate: float,
-    seconds: float,
-    max_tokens: int,
-    workers: int,
-) -> None:
-    gateway_headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "bench-session"}
-    gateway_send = chat_sender(gateway, headers=gateway_headers, max_tokens=max_tokens)
-    # The gateway always asks vLLM for logprobs and token ids; so does the direct call.
-    direct_body = {
-        "model": "base",
-        "messages": PROMPT,
-        "max_tokens": max_tokens,
-        "logprobs": True,
-        "top_logprobs": 0,
-        "return_token_ids": True,
-    }
-    direct_send = chat_sender(upstream, headers={}, max_tokens=max_tokens, body=direct_body)
-    direct = asyncio.run(open_loop("direct", direct_send, rate, seconds))
-    through = asyncio.run(open_loop("gateway", gateway_send, rate, seconds))
-    report(f"{label}: open loop, {rate:g} req/s for {seconds:g} s", direct, through)
-    direct = asyncio.run(closed_loop("direct", direct_send, workers, seconds / 2))
-    through = asyncio.run(closed_loop("gateway", gateway_send, workers, seconds / 2))
-    report(f"{label}: closed loop, {workers} clients for {seconds / 2:g} s", direct, through)
+def served_by_checkpoint(gateway: str) -> dict[str, float]:
+    """Completions the gateway served so far, by checkpoint (from its /metrics)."""
+    with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    served: dict[str, float] = collections.Counter()
+    for line in text.splitlines():
+        if line.startswith("rtrl_completions_total{"):
+            labels, _, value = line.partition("} ")
+            checkpoint = labels.split('checkpoint="')[1].split('"')[0]
+            served[checkpoint] += float(value)
+    return dict(served)
+
+
+# -- the bench --------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    stack: EmbeddedStack
+    key: str
+    root: Path
+    direct: Target
+    gateway: Target
+    users: list[str]
+    request_ids: list[str]
+    gateway_process: subprocess.Popen[bytes] | None = None
+
+
+def prepare_registry(stack: EmbeddedStack) -> str:
+    """The base checkpoint in production, `ckpt-1` in a 50/50 experiment, an ide key."""
+    engine = make_engine(stack.url("postgres"))
+    try:
+        with session_scope(engine) as session:
+            base = ensure_base_checkpoint(session, "bench")
+            canary = Checkpoint(
+                name=CHECKPOINTS[1], status=CheckpointStatus.candidate, base_model="bench"
+            )
+            session.add(canary)
+            session.flush()
+            start_canary(
+                session, control=base, treatment=canary, treatment_bps=5000, created_by="bench"
+            )
+            row, key = new_api_key(name="bench", role=Role.ide, rate_limit_per_minute=10**9)
+            session.add(row)
+    finally:
+        engine.dispose()
+    return key
+
+
+def interleaved(
+    setup: Setup, *, stream: bool, rate: float, seconds: float, round_number: int, args: Any
+) -> tuple[Phase, Phase, list[float], int]:
+    """The direct and the gateway phase of one round, in alternating order; feedback is posted
+    to the gateway while it is measured."""
+    order = [setup.direct, setup.gateway]
+    if round_number % 2:
+        order.reverse()
+    phases: dict[str, Phase] = {}
+    feedback: tuple[list[float], int] = ([], 0)
+    work = setup.root / f"round-{round_number}-{'stream' if stream else 'plain'}-{rate:g}"
+    for target in order:
+        side = []
+        if target.name == "gateway" and args.feedback_rate > 0:
+            config = work / "feedback.cfg"
+            work.mkdir(parents=True, exist_ok=True)
+            batches = int(args.feedback_rate * seconds)
+            feedback_config(config, setup.gateway.url, setup.key, setup.request_ids, batches)
+            side.append(feedback_command(config, args.feedback_rate, work / "feedback.out"))
+        phases[target.name] = run_hey(
+            target,
+            stream=stream,
+            rate=rate,
+            seconds=seconds,
+            users=setup.users,
+            work=work,
+            side_load=side,
+        )
+        if side:
+            feedback = read_feedback(work / "feedback.out")
+    return phases["direct"], phases["gateway"], feedback[0], feedback[1]
+
+
+def added(direct: Phase, gateway: Phase, q: float, first_byte: bool = False) -> float:
+    return gateway.quantile(q, first_byte) - direct.quantile(q, first_byte)
+
+
+def print_rounds(
+    title: str, rounds: list[tuple[Phase, Phase]], *, first_byte: bool = False
+) -> tuple[float, float]:
+    print(f"\n{title}")
+    print(
+        f"  {'round':>5} {'direct p50':>10} {'p99':>7} {'gateway p50':>11} {'p99':>7}"
+        f" {'added p50':>9} {'p99':>7} {'req/s':>6} {'errors':>6}"
+    )
+    added50, added99 = [], []
+    for n, (direct, gateway) in enumerate(rounds, start=1):
+        a50, a99 = added(direct, gateway, 0.5, first_byte), added(direct, gateway, 0.99, first_byte)
+        added50.append(a50)
+        added99.append(a99)
+        print(
+            f"  {n:>5} {direct.quantile(0.5, first_byte):>10.1f}"
+            f" {direct.quantile(0.99, first_byte):>7.1f}"
+            f" {gateway.quantile(0.5, first_byte):>11.1f}"
+            f" {gateway.quantile(0.99, first_byte):>7.1f}"
+            f" {a50:>9.1f} {a99:>7.1f} {gateway.achieved:>6.1f}"
+            f" {direct.errors + gateway.errors:>6}"
+        )
+    median50, median99 = statistics.median(added50), statistics.median(added99)
+    print(f"  {'median':>5} {'':>10} {'':>7} {'':>11} {'':>7} {median50:>9.1f} {median99:>7.1f}")
+    return median50, median99
+
+
+def sweep(setup: Setup, rates: list[float], args: Any) -> list[tuple[float, Phase, Phase]]:
+    results = []
+    for n, rate in enumerate(rates):
+        direct, gateway, _, _ = interleaved(
+            setup,
+            stream=False,
+            rate=rate,
+            seconds=args.sweep_seconds,
+            round_number=100 + n,
+            args=args,
+        )
+        results.append((rate, direct, gateway))
+    return results
+
+
+def profile(setup: Setup, args: Any) -> None:
+    """py-spy on the gateway through a non-streaming and a streaming phase; top frames."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        print("\nprofile: skipped (pip install py-spy, or the dev extra)")
+        return
+    assert setup.gateway_process is not None
+    pid = setup.gateway_process.pid
+    for stream in (False, True):
+        raw = setup.root / f"profile-{'stream' if stream else 'plain'}.txt"
+        spy = subprocess.Popen(
+            [
+                py_spy,
+                "record",
+                "--pid",
+                str(pid),
+                "--subprocesses",
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--nonblocking",
+                "--duration",
+                f"{args.seconds:g}",
+                "--output",
+                str(raw),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(1.0)
+        run_hey(
+            setup.gateway,
+            stream=stream,
+            rate=args.rate,
+            seconds=args.seconds - 2,
+            users=setup.users,
+            work=setup.root / "profile",
+        )
+        spy.wait(timeout=args.seconds + 60)
+        print(
+            f"\nprofile of the gateway, {'streaming' if stream else 'non-streaming'} at "
+            f"{args.rate:g} req/s (py-spy, {raw})"
+        )
+        print_profile(raw)
+
+
+def print_profile(raw: Path, top: int = 18) -> None:
+    """The frames that took the most samples: by own time, and inclusive of their callees."""
+    if not raw.exists():
+        print("  (no samples: py-spy could not attach; it needs ptrace rights)")
+        return
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = idle = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [_short(frame) for frame in stack.split(";")]
+        total += count
+        if frames[-1].startswith(("select ", "run_once ", "poll ")) or "(idle)" in stack:
+            idle += count
+            continue
+        own[frames[-1]] += count
+        for frame in set(frames):
+            inclusive[frame] += count
+    if not total:
+        print("  (no samples)")
+        return
+    busy = total - idle
+    print(f"  {total} samples, {100 * busy / total:.0f}% busy; shares of the busy samples:")
+    print("  own time:")
+    for frame, count in own.most_common(top):
+        print(f"    {100 * count / busy:5.1f}%  {frame}")
+    print("  inclusive:")
+    for frame, count in inclusive.most_common(top + 12):
+        if not frame.startswith(("<module>", "run ", "_run ", "run_forever", "_bootstrap")):
+            print(f"    {100 * count / busy:5.1f}%  {frame}")
+
+
+def _short(frame: str) -> str:
+    """`function (path/to/module.py:line)` → `function (module.py)`."""
+    name, _, location = frame.partition(" (")
+    path = location.rstrip(")").rsplit(":", 1)[0]
+    for prefix in ("site-packages/", str(ROOT) + "/"):
+        if prefix in path:
+            path = path.split(prefix, 1)[1]
+    return f"{name} ({path})"
+
+
+def setup_load(stack: EmbeddedStack, key: str, root: Path, args: Any) -> Setup:
+    upstream_port, gateway_port = free_port(), free_port()
+    upstream = f"http://127.0.0.1:{upstream_port}"
+    gateway = f"http://127.0.0.1:{gateway_port}"
+    return Setup(
+        stack=stack,
+        key=key,
+        root=root,
+        direct=Target(
+            "direct",
+            upstream,
+            (),
+            # The gateway always asks vLLM for logprobs and token ids; so does the direct call.
+            {
+                "model": CHECKPOINTS[0],
+                "messages": PROMPT,
+                "max_tokens": COMPLETION_TOKENS,
+                "logprobs": True,
+                "top_logprobs": 0,
+                "return_token_ids": True,
+            },
+        ),
+        gateway=Target(
+            "gateway",
+            gateway,
+            ("-H", f"Authorization: Bearer {key}", "-H", f"X-Session-Id: {SESSION_ID}"),
+            {"model": "rtrl", "messages": PROMPT, "max_tokens": COMPLETION_TOKENS},
+        ),
+        users=[f"bench-user-{n}" for n in range(16)],
+        request_ids=[],
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=100.0)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--delay-ms", type=float, default=20.0)
-    parser.add_argument("--workers", type=int, default=16)
-    parser.add_argument("--model-dir", type=Path, help="start vLLM on this model for part 2")
-    parser.add_argument("--vllm-url", help="use this running vLLM (serving `base`) for part 2")
-    parser.add_argument("--vllm-rate", type=float, default=5.0)
-    parser.add_argument("--vllm-max-tokens", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=100.0, help="requests/s (default 100)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="per phase (default 20)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="upstream time to answer")
+    parser.add_argument("--stream-chunks", type=int, default=20)
+    parser.add_argument("--chunk-gap-ms", type=float, default=1.0)
+    parser.add_argument("--feedback-rate", type=float, default=10.0, help="batches/s")
+    parser.add_argument("--sweep", default="100,150,200,300", help="rates; empty: none")
+    parser.add_argument("--sweep-seconds", type=float, default=10.0)
+    parser.add_argument("--p99-budget-ms", type=float, default=10.0)
+    parser.add_argument("--gateway-workers", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="py-spy the gateway at the end")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
-        serve_fixed_upstream(args.serve_upstream, args.delay_ms)
+        serve_fixed_upstream(
+            args.serve_upstream, args.delay_ms, args.stream_chunks, args.chunk_gap_ms
+        )
         return
+    try:
+        rates = [float(rate) for rate in args.sweep.split(",") if rate.strip()]
+    except ValueError:
+        parser.error(f"--sweep takes comma-separated rates, not {args.sweep!r}")
+    if args.rate <= 0 or args.seconds < 5 or args.rounds < 1 or any(r <= 0 for r in rates):
+        parser.error("--rate and --sweep rates must be positive, --seconds at least 5")
+    ensure_tools()
 
     root = Path(tempfile.mkdtemp(prefix="rtrl-bench-gateway-"))
-    print(f"working in {root}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"working in {root}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     stack = EmbeddedStack.at(
         root, postgres_port=free_port(), kafka_port=free_port(), redis_port=free_port()
     )
     processes: list[subprocess.Popen[bytes]] = []
-    vllm = None
     try:
         stack.up()
-        engine = make_engine(stack.url("postgres"))
-        with session_scope(engine) as session:
-            ensure_base_checkpoint(session, "bench")
-            row, key = new_api_key(name="bench", role=Role.ide, rate_limit_per_minute=10**9)
-            session.add(row)
-        engine.dispose()
-
-        upstream_port = free_port()
-        upstream = f"http://127.0.0.1:{upstream_port}"
+        key = prepare_registry(stack)
+        setup = setup_load(stack, key, root, args)
+        upstream_port = int(setup.direct.url.rsplit(":", 1)[1])
         processes.append(
             start_process(
                 [
@@ -321,58 +679,115 @@ def main() -> None:
                     str(upstream_port),
                     "--delay-ms",
                     str(args.delay_ms),
+                    "--stream-chunks",
+                    str(args.stream_chunks),
+                    "--chunk-gap-ms",
+                    str(args.chunk_gap_ms),
                 ],
-                {"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                {"PYTHONPATH": str(ROOT)},
                 root / "upstream.log",
             )
         )
         wait_for_port("127.0.0.1", upstream_port, timeout=30, name="upstream")
-        gateway_port = free_port()
-        processes.append(start_gateway(stack, upstream, root / "gw-fixed", gateway_port))
-        measure(
-            f"fixed {args.delay_ms:g} ms upstream",
-            upstream,
-            f"http://127.0.0.1:{gateway_port}",
-            key,
-            rate=args.rate,
-            seconds=args.seconds,
-            max_tokens=100,
-            workers=args.workers,
+        gateway_port = int(setup.gateway.url.rsplit(":", 1)[1])
+        setup.gateway_process = start_gateway(
+            stack, setup.direct.url, root / "gateway", gateway_port, args.gateway_workers
         )
-        for process in reversed(processes):
-            stop(process)
-        processes.clear()
-
-        vllm_url = args.vllm_url
-        if vllm_url is None and args.model_dir is not None:
-            from app.serving.vllm import VllmServer
-
-            vllm = VllmServer(model_dir=args.model_dir, port=free_port(), root=root / "vllm")
-            vllm.start(timeout=600)
-            vllm_url = vllm.url
-        if vllm_url is None:
-            print("\nreal vLLM: skipped (give --model-dir or --vllm-url)")
-            return
-        gateway_port = free_port()
-        processes.append(start_gateway(stack, vllm_url, root / "gw-vllm", gateway_port))
-        measure(
-            f"real vLLM ({args.vllm_max_tokens} tokens)",
-            vllm_url,
-            f"http://127.0.0.1:{gateway_port}",
-            key,
-            rate=args.vllm_rate,
-            seconds=args.seconds,
-            max_tokens=args.vllm_max_tokens,
-            workers=4,
-        )
+        processes.append(setup.gateway_process)
+        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": SESSION_ID}
+        for n in range(64):  # completions the feedback will be about; warms the caches too
+            request_id = f"bench-{uuid.uuid4().hex[:12]}"
+            post(
+                f"{setup.gateway.url}/v1/chat/completions",
+                setup.gateway.body,
+                headers | {"X-Request-Id": request_id, "X-User-Id": setup.users[n % 16]},
+            )
+            setup.request_ids.append(request_id)
+        for stream in (False, True):  # the gateway's first seconds: connections, imports
+            run_hey(
+                setup.gateway,
+                stream=stream,
+                rate=args.rate,
+                seconds=5,
+                users=setup.users,
+                work=root / "warm-up",
+            )
+        report(setup, rates, args)
     finally:
         for process in reversed(processes):
             stop(process)
-        if vllm is not None:
-            vllm.stop()
         stack.down()
     print(f"\nlogs in {root}; load average now {os.getloadavg()[0]:.1f}")
 
 
+def report(setup: Setup, rates: list[float], args: Any) -> None:
+    print(
+        f"\nfixed {args.delay_ms:g} ms upstream, {COMPLETION_TOKENS} completion tokens with "
+        f"logprobs (streamed in {args.stream_chunks} chunks, {args.chunk_gap_ms:g} ms apart); "
+        f"{args.rate:g} req/s from {hey_processes(args.rate)} hey processes for "
+        f"{args.seconds:g} s a phase; feedback {args.feedback_rate:g} batches/s (curl) during "
+        f"the gateway's phases; gateway workers: {args.gateway_workers}",
+        flush=True,
+    )
+    plain: list[tuple[Phase, Phase]] = []
+    streamed: list[tuple[Phase, Phase]] = []
+    feedback: list[float] = []
+    feedback_errors = 0
+    for n in range(args.rounds):
+        for stream, rounds in ((False, plain), (True, streamed)):
+            direct, gateway, latencies, errors = interleaved(
+                setup,
+                stream=stream,
+                rate=args.rate,
+                seconds=args.seconds,
+                round_number=n,
+                args=args,
+            )
+            rounds.append((direct, gateway))
+            feedback += latencies
+            feedback_errors += errors
+        print(f"  round {n + 1} of {args.rounds} done", flush=True)
+    print_rounds(f"non-streaming, {args.rate:g} req/s: total time (ms)", plain)
+    print_rounds(
+        f"streaming, {args.rate:g} req/s: time to first byte (ms)", streamed, first_byte=True
+    )
+    print_rounds(f"streaming, {args.rate:g} req/s: total time (ms)", streamed)
+    print(
+        f"\nfeedback (curl, {args.feedback_rate:g} batches/s of 2 events): {len(feedback)} "
+        f"accepted, {feedback_errors} errors, p50 {quantile(feedback, 0.5):.1f} ms, "
+        f"p99 {quantile(feedback, 0.99):.1f} ms"
+    )
+    served = served_by_checkpoint(setup.gateway.url)
+    print(
+        "completions by checkpoint (50/50 experiment): "
+        + ", ".join(f"{name} {count:.0f}" for name, count in sorted(served.items()))
+    )
+    if rates:
+        print(f"\nsweep, non-streaming, {args.sweep_seconds:g} s a phase (ms)")
+        print(
+            f"  {'rate':>5} {'direct p50':>10} {'p99':>7} {'gateway p50':>11} {'p99':>7}"
+            f" {'added p50':>9} {'p99':>7} {'req/s':>6} {'errors':>6}"
+        )
+        best = None
+        for rate, direct, gateway in sweep(setup, rates, args):
+            a99 = added(direct, gateway, 0.99)
+            print(
+                f"  {rate:>5g} {direct.quantile(0.5):>10.1f} {direct.quantile(0.99):>7.1f}"
+                f" {gateway.quantile(0.5):>11.1f} {gateway.quantile(0.99):>7.1f}"
+                f" {added(direct, gateway, 0.5):>9.1f} {a99:>7.1f} {gateway.achieved:>6.1f}"
+                f" {direct.errors + gateway.errors:>6}",
+                flush=True,
+            )
+            if a99 <= args.p99_budget_ms and gateway.achieved >= 0.95 * rate:
+                best = rate if best is None else max(best, rate)
+        print(
+            f"  highest rate with p99 added ≤ {args.p99_budget_ms:g} ms: "
+            + (f"{best:g} req/s" if best is not None else "none of those swept")
+        )
+    if args.profile:
+        profile(setup, args)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     main()

@@ -454,8 +454,10 @@ def trainer_loop() -> None:
     import signal
     import threading
 
+    from app.metrics import serve_metrics
     from trainer.distributed import join_world, leave_world
     from trainer.gates import held_out_for
+    from trainer.metrics import load_last_finished
     from trainer.scheduler import run_scheduler
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -465,6 +467,9 @@ def trainer_loop() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     world = join_world()
     engine = make_engine(settings.database_url)
+    if world.is_main and settings.metrics_port is not None:
+        serve_metrics(settings.metrics_port)
+        load_last_finished(engine)
     try:
         run_scheduler(
             settings,

@@ -68,6 +68,10 @@ class Settings(BaseSettings):
     heartbeat_file: Path | None = None
     """A worker or trainer touches this file as its loop runs (liveness for `rtrl healthcheck`)."""
 
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    """`rtrl worker` and `rtrl trainer` serve Prometheus metrics at :PORT/metrics (the gateway
+    serves its own at /metrics); unset: they serve none. One port per process on a host."""
+
     base_model: Path | None = None
     """HF causal LM directory; defaults to the bootstrapped model under the data dir."""
 

@@ -40,6 +40,7 @@ from trainer.distributed import SINGLE, World, share
 from trainer.drift import drift_limits, measure_drift
 from trainer.evaluate import HeldOut, HeldOutUnavailable, gate, kl_to_production, trainable_state
 from trainer.lock import trainer_lock
+from trainer.metrics import record_run
 from trainer.policy import load_trainable_policy, pick_device, policy_dtype
 from trainer.update import sharded_logprobs, update_policy
 
@@ -188,6 +189,7 @@ def follow_cycle(settings: Settings, config: TrainConfig, world: World) -> Cycle
 
 def abandon_crashed_runs(engine: Engine) -> int:
     """Runs still 'running' while we hold the lock died with their process; how many."""
+    now = datetime.now(UTC)
     with session_scope(engine) as session:
         result = session.execute(
             update(TrainingRun)
@@ -195,10 +197,13 @@ def abandon_crashed_runs(engine: Engine) -> int:
             .values(
                 status=TrainingRunStatus.failed,
                 reason="the trainer process died during this run",
-                finished_at=datetime.now(UTC),
+                finished_at=now,
             )
         )
-    return int(getattr(result, "rowcount", 0) or 0)
+    abandoned = int(getattr(result, "rowcount", 0) or 0)
+    if abandoned:
+        record_run(TrainingRunStatus.failed, now, abandoned)
+    return abandoned
 
 
 def this_trainer() -> str:
@@ -289,6 +294,7 @@ def finish_run(
         name = None
         if output_checkpoint_id is not None:
             name = session.get_one(Checkpoint, output_checkpoint_id).name
+    record_run(status, datetime.now(UTC))
     return CycleResult(run_id=run_id, status=status, reason=reason, checkpoint=name)
 
 

@@ -9,6 +9,7 @@ import threading
 from types import FrameType
 
 from app.config import get_settings, refuse_development_secrets
+from app.metrics import serve_metrics
 from workers.config import WorkerConfig
 from workers.consumer import run_worker
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     settings = get_settings()
     refuse_development_secrets(settings)
+    serve_metrics(settings.metrics_port)
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:

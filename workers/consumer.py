@@ -32,6 +32,14 @@ from app.events import DeadLetter, decode_completion, decode_feedback, encode
 from app.heartbeat import Heartbeat
 from app.signals.rewards import reward_weights
 from workers.config import WorkerConfig
+from workers.metrics import (
+    BATCH_SECONDS,
+    CONSUMER_LAG,
+    DEAD_LETTERS,
+    MESSAGES,
+    REWARDS_OVERDUE,
+    REWARDS_SWEPT,
+)
 from workers.monitors import check_running_experiments
 from workers.repository import (
     feedback_events,
@@ -41,8 +49,8 @@ from workers.repository import (
     unstorable,
 )
 from workers.store import feedback_row, sample_row, store_events
-from workers.sweep import finalize_due_rewards
-from workers.watermarks import StreamWatermarks
+from workers.sweep import finalize_due_rewards, overdue_seconds
+from workers.watermarks import PartitionOffsets, StreamWatermarks
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +278,7 @@ def consume_batch(
     records = [record for batch in polled.values() for record in batch]
     if not records:
         return 0
+    started = time.perf_counter()
     batch = decode_batch(records, config)
     while True:
         try:
@@ -299,6 +308,11 @@ def consume_batch(
     except CommitFailedError as exc:
         # The partitions moved to another worker, which re-reads them; writes are idempotent.
         log.info("offsets not committed after a rebalance: %s", exc)
+    BATCH_SECONDS.observe(time.perf_counter() - started)
+    for partition, polled_records in polled.items():
+        MESSAGES.labels(partition.topic).inc(len(polled_records))
+    for letter in dead_letters:
+        DEAD_LETTERS.labels(letter.source_topic).inc()
     log.debug(
         "batch of %d: %d samples, %d feedback, %d dead letters",
         len(records),
@@ -340,6 +354,7 @@ def run_worker(
         while not stop_event.is_set():
             heartbeat.beat()
             consume_batch(consumer, producer, engine, config, stop_event, watermarks)
+            record_lag(consumer, topics)
             now = time.monotonic()
             # On a timer, under full load too: each owned partition is swept up to how far
             # its stream has been read, so a backlog's feedback is stored before its rewards
@@ -347,9 +362,7 @@ def run_worker(
             if _due(config.sweep_interval_s, last_sweep, now):
                 last_sweep = now
                 marks = watermarks.by_partition(consumer, topics, datetime.now(UTC))
-                _run_safely(
-                    "sweep", partial(finalize_due_rewards, engine, config, watermarks=marks)
-                )
+                _run_safely("sweep", partial(sweep, engine, config, marks))
             if _due(config.monitor_interval_s, last_monitor, now):
                 last_monitor = now
                 _run_safely(
@@ -367,6 +380,24 @@ def run_worker(
         producer.close(timeout=10)
         engine.dispose()
         log.info("worker stopped")
+
+
+def sweep(engine: Engine, config: WorkerConfig, watermarks: Mapping[int, datetime]) -> None:
+    """Finalize the owned partitions' due rewards, then measure how late the oldest open is."""
+    REWARDS_SWEPT.inc(finalize_due_rewards(engine, config, watermarks=watermarks))
+    REWARDS_OVERDUE.set(overdue_seconds(engine, datetime.now(UTC)))
+
+
+def record_lag(consumer: PartitionOffsets, topics: Sequence[str]) -> None:
+    """Messages not yet read on this worker's partitions, per topic (0 when it owns none)."""
+    lag = dict.fromkeys(topics, 0)
+    for partition in consumer.assignment():
+        highwater = consumer.highwater(partition)
+        position = consumer.position(partition)
+        if partition.topic in lag and highwater is not None and position is not None:
+            lag[partition.topic] += max(0, highwater - position)
+    for topic, behind in lag.items():
+        CONSUMER_LAG.labels(topic).set(behind)
 
 
 def tune_gc() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
+from prometheus_client import Counter
 from sqlalchemy import (
     Boolean,
     ColumnElement,
@@ -67,6 +68,14 @@ DEFAULT_THRESHOLDS: dict[str, Threshold] = {
     "mean_completion_chars": Threshold(relative=0.25),
     "dissatisfied_rate": Threshold(absolute=0.05),
 }
+
+REWARD_HACKING_ALERTS = Counter(
+    "rtrl_reward_hacking_alerts_total",
+    "Reward-hacking monitor alerts raised (rows in `alerts`), by metric.",
+    ["metric"],
+)
+for _metric in DEFAULT_THRESHOLDS:
+    REWARD_HACKING_ALERTS.labels(_metric)  # at 0 from the start: an increase sees the first
 
 
 def _share(condition: ColumnElement[Any]) -> ColumnElement[Any]:
@@ -200,6 +209,8 @@ def check_monitors(
                 window.start.isoformat(),
                 window.end.isoformat(),
             )
+    for alert in alerts:  # committed
+        REWARD_HACKING_ALERTS.labels(alert.metric).inc()
     return alerts
 
 

@@ -168,3 +168,12 @@ def _transaction(bind: Engine | Connection) -> Iterator[Connection]:
     else:
         with bind.begin_nested():
             yield bind
+
+
+def overdue_seconds(engine: Engine, now: datetime) -> float:
+    """How long past its due time the oldest open reward is; 0 when none is overdue."""
+    with engine.connect() as conn:
+        oldest = conn.scalar(
+            select(func.min(rewards.c.due_at)).where(rewards.c.finalized_at.is_(None))
+        )
+    return max(0.0, (now - oldest).total_seconds()) if oldest is not None else 0.0

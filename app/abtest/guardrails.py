@@ -29,6 +29,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from prometheus_client import Counter
 from pydantic import BaseModel
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 
 GUARDRAILS_ACTOR = Actor("guardrails")
 FAMILY_ALPHA = 0.05
+CANARY_ROLLBACKS = Counter(
+    "rtrl_guardrail_rollbacks_total", "Canaries the guardrails rolled back (once committed)."
+)
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,7 @@ def check_guardrails(
     """
     with Session(engine, expire_on_commit=False) as session, session.begin():
         decisions = check_guardrails_in(session, rollback=rollback)
+    CANARY_ROLLBACKS.inc(len({(d.experiment_id, d.arm) for d in decisions if d.rolled_back}))
     if redis_url and any(decision.rolled_back for decision in decisions):
         notify_routing_changed_sync(redis_url)
     return decisions

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import statsmodels.api as sm
+from prometheus_client import REGISTRY
 from scipy import stats
 from sqlalchemy import Engine, select
 
@@ -46,8 +47,15 @@ def test_a_canary_with_more_dissatisfied_users_is_rolled_back(
         seed=32,
     )
 
+    rollbacks = REGISTRY.get_sample_value("rtrl_guardrail_rollbacks_total")
     decisions = check_guardrails(app_engine, rollback=True)
 
+    # Ops' alert: the counter rises once per canary rolled back, not once per guardrail.
+    rolled_back = {(d.experiment_id, d.arm) for d in decisions if d.rolled_back}
+    assert (harmful, "canary") in rolled_back
+    assert REGISTRY.get_sample_value("rtrl_guardrail_rollbacks_total") == rollbacks + len(
+        rolled_back
+    )
     mine = {
         (d.experiment_id, d.metric): d for d in decisions if d.experiment_id in (harmful, harmless)
     }

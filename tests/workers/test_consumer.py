@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import orjson
 import pytest
 from kafka import KafkaConsumer
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine, func, select
 
 from app.config import get_settings
@@ -230,6 +231,28 @@ def test_poison_messages_go_to_the_dead_letter_topic_and_the_stream_goes_on(
         (topic, value.decode()) for topic, value in poison
     )
     assert all(d.reason.startswith(("undecodable", "invalid")) for d in letters)
+
+    # What ops see on the worker's /metrics: every message counted, the poison as dead
+    # letters by the topic it came from, and nothing left to read.
+    def sample(name: str, topic: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"topic": topic})
+
+    topics = {
+        "completions": worker_config.completions_topic,
+        "feedback": worker_config.feedback_topic,
+    }
+    wait_for(
+        lambda: (
+            sample("rtrl_worker_messages_total", topics["feedback"]) == 2
+            and sample("rtrl_consumer_lag_messages", topics["completions"]) == 0
+        ),
+        30,
+        "the worker's metrics",
+    )
+    assert sample("rtrl_worker_messages_total", topics["completions"]) == 4
+    assert sample("rtrl_worker_dead_letters_total", topics["completions"]) == 2
+    assert sample("rtrl_worker_dead_letters_total", topics["feedback"]) == 1
+    assert sample("rtrl_consumer_lag_messages", topics["feedback"]) == 0
 
 
 def start_worker_process(config: WorkerConfig, log: Path, max_records: int) -> subprocess.Popen:

@@ -3,6 +3,7 @@
 from datetime import timedelta
 from typing import Any
 
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
@@ -54,6 +55,15 @@ def seed(
         )
 
 
+def alerts_counted() -> dict[str, float]:
+    """What Prometheus reads of rtrl_reward_hacking_alerts_total, by metric."""
+    return {
+        metric: REGISTRY.get_sample_value("rtrl_reward_hacking_alerts_total", {"metric": metric})
+        or 0.0
+        for metric in DEFAULT_THRESHOLDS
+    }
+
+
 def window_around(events: Any) -> Window:
     return Window(events.served_at - timedelta(minutes=1), events.served_at + timedelta(minutes=1))
 
@@ -67,6 +77,7 @@ def test_a_canary_that_asks_instead_of_answering_raises_an_alert(
     thresholds = DEFAULT_THRESHOLDS | {
         "clarifying_question_rate": Threshold(absolute=0.05, min_samples=100)
     }
+    counted = alerts_counted()
 
     alerts = check_monitors(
         worker_engine,
@@ -97,6 +108,10 @@ def test_a_canary_that_asks_instead_of_answering_raises_an_alert(
         thresholds=thresholds,
     )
     assert again == []  # already alerted for this window
+    raised = {metric: n - counted[metric] for metric, n in alerts_counted().items()}
+    assert raised == {
+        m: 1.0 if m in ("clarifying_question_rate", "edit_rate") else 0.0 for m in raised
+    }
 
 
 def test_a_tiny_window_does_not_alert(worker_engine: Engine, events: Any) -> None:

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install lint format test demo browser services-up services-down
+.PHONY: install lint format test demo browser promtool alerts services-up services-down
 
 install: $(STAMP)
 
@@ -33,7 +33,7 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: install lint browser
+test: install lint browser alerts
 	$(PY) -m pytest
 
 # The dashboard test drives Debian's headless Chromium; without it that one test is skipped.
@@ -41,6 +41,20 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
 		>/dev/null 2>&1 || echo "chromium could not be installed; the browser test will be skipped"
+
+# The alert rules are checked by promtool, from Debian's prometheus package (which, on a host
+# run by systemd, also starts a Prometheus service); without it the checks are skipped.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) \
+		>/dev/null 2>&1 || echo "promtool could not be installed; the alert rule checks will be skipped"
+
+alerts: promtool
+	@if command -v promtool >/dev/null 2>&1; then \
+		cd ops/prometheus && promtool check config prometheus.yml && promtool test rules alerts_test.yml; \
+	else \
+		echo "promtool not found: skipping the alert rule checks (ops/prometheus)"; \
+	fi
 
 demo: install
 	$(VENV)/bin/rtrl demo

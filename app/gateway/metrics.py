@@ -53,6 +53,9 @@ EVENTS_SPOOLED = Counter(
 EVENTS_DROPPED = Counter(
     "rtrl_events_dropped_total", "Events lost because neither memory nor the spool could hold them."
 )
+KAFKA_CONNECTED = Gauge(
+    "rtrl_kafka_connected", "1 while the gateway's last send reached Kafka, 0 while events spool."
+)
 SPOOL_DEPTH = Gauge("rtrl_spool_depth", "Events waiting for Kafka, by where they wait.", ["where"])
 SPOOL_RETAINED_BYTES = Gauge(
     "rtrl_spool_retained_bytes",

@@ -39,6 +39,7 @@ from app.events import encode
 from app.gateway.metrics import (
     EVENTS_DROPPED,
     EVENTS_PUBLISHED,
+    KAFKA_CONNECTED,
     SPOOL_DEPTH,
     SPOOL_REPLAYS,
     SPOOL_RETAINED_BYTES,
@@ -112,6 +113,7 @@ class EventSink:
         self._next_probe = 0.0
         self._close_drain_s = CLOSE_DRAIN_S
         self._thread = threading.Thread(target=self._run, name="rtrl-event-sink", daemon=True)
+        KAFKA_CONNECTED.set_function(lambda: self.kafka_connected)
         SPOOL_DEPTH.labels("memory").set_function(lambda: len(self._queue))
         SPOOL_DEPTH.labels("disk").set_function(self._spooled)
         SPOOL_RETAINED_BYTES.set_function(lambda: self.retained["bytes"])

@@ -29,6 +29,7 @@ def test_health_readiness_and_metrics(gateway_server: Any, ide_key: str) -> None
     assert 'rtrl_http_requests_total{route="/v1/models",status="200"}' in metrics
     assert 'rtrl_http_request_seconds_bucket{le="0.001",route="/v1/models"}' in metrics
     assert 'rtrl_spool_depth{where="disk"}' in metrics
+    assert "rtrl_kafka_connected 1.0" in metrics
     assert "rtrl_spool_retained_bytes" in metrics
 
 

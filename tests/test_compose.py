@@ -7,11 +7,13 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from sqlalchemy import Engine
 
 from app.config import Settings, settings_environment
+from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.launcher import RtrlProcess
 from trainer.config import TrainSettings
@@ -56,11 +58,16 @@ def test_compose_uses_only_real_settings_and_has_every_part() -> None:
 
 
 @pytest.mark.parametrize(
-    ("service", "arguments"), [("workers", ["worker"]), ("trainer", ["trainer"])]
+    ("service", "arguments", "metric"),
+    [
+        ("workers", ["worker"], "rtrl_consumer_lag_messages"),
+        ("trainer", ["trainer"], "rtrl_training_runs_total"),
+    ],
 )
 def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_once_it_stops(
     service: str,
     arguments: list[str],
+    metric: str,
     stack: EmbeddedStack,
     engine: Engine,
     tiny_model_dir: Path,
@@ -80,6 +87,7 @@ def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_onc
         redis_url=f"redis://localhost:{stack.redis.port}/0",
         base_model=tiny_model_dir,
         heartbeat_file=own_heartbeat,
+        metrics_port=free_port(),
     )
     environment = settings_environment(settings)
 
@@ -100,6 +108,9 @@ def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_onc
         while own_heartbeat.stat().st_mtime == first_beat:
             assert time.monotonic() < deadline, f"{service} stopped refreshing its heartbeat"
             time.sleep(0.5)
+        # What Prometheus scrapes at RTRL_METRICS_PORT.
+        metrics = httpx.get(f"http://127.0.0.1:{settings.metrics_port}/metrics").text
+        assert metric in metrics
     finally:
         process.stop()
     max_age = float(command[command.index("--max-age") + 1])

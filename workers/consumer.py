@@ -50,7 +50,7 @@ from workers.repository import (
 )
 from workers.store import feedback_row, sample_row, store_events
 from workers.sweep import finalize_due_rewards, overdue_seconds
-from workers.watermarks import PartitionOffsets, StreamWatermarks
+from workers.watermarks import StreamWatermarks
 
 log = logging.getLogger(__name__)
 
@@ -388,12 +388,13 @@ def sweep(engine: Engine, config: WorkerConfig, watermarks: Mapping[int, datetim
     REWARDS_OVERDUE.set(overdue_seconds(engine, datetime.now(UTC)))
 
 
-def record_lag(consumer: PartitionOffsets, topics: Sequence[str]) -> None:
+def record_lag(consumer: KafkaConsumer, topics: Sequence[str]) -> None:
     """Messages not yet read on this worker's partitions, per topic (0 when it owns none)."""
     lag = dict.fromkeys(topics, 0)
     for partition in consumer.assignment():
         highwater = consumer.highwater(partition)
-        position = consumer.position(partition)
+        # Without waiting: a partition whose position is not known yet is left out.
+        position = consumer.position(partition, timeout_ms=0)
         if partition.topic in lag and highwater is not None and position is not None:
             lag[partition.topic] += max(0, highwater - position)
     for topic, behind in lag.items():

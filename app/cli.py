@@ -495,12 +495,27 @@ def demo(
     users: int = typer.Option(24, help="Developers whose traffic each cycle trains on."),
     eval_users: int = typer.Option(40, help="Privacy-mode developers evaluating each canary."),
     keep_running: bool = typer.Option(False, help="Leave the stack up after the summary."),
+    agent: bool = typer.Option(
+        True, "--agent/--one-turn", help="Agent sessions (tools, workspaces) or one-turn answers."
+    ),
+    scenario: str = typer.Option(
+        "learning",
+        "--scenario",
+        help="learning, or reward-hacking: start on a flawed reward and watch the monitors.",
+    ),
 ) -> None:
     """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
     from app.demo import DemoConfig, run_demo
 
+    if scenario not in ("learning", "reward-hacking"):
+        raise typer.BadParameter("must be learning or reward-hacking", param_hint="--scenario")
     config = DemoConfig(
-        cycles=cycles, train_users=users, eval_users=eval_users, keep_running=keep_running
+        cycles=cycles,
+        train_users=users,
+        eval_users=eval_users,
+        keep_running=keep_running,
+        agent=agent,
+        scenario=scenario,  # type: ignore[arg-type]
     )
     config.train = with_explicit_settings(config.train)
     summary = run_demo(get_settings(), config, progress=typer.echo)

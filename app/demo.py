@@ -1,20 +1,30 @@
 """`rtrl demo`: the closed loop on this machine, shown end to end.
 
-Simulated developers use production through the gateway; workers turn what they did into
-rewards; a training cycle publishes a canary; the canary is evaluated on held-out tasks by
-privacy-mode traffic (which is never trained on), read from `/analytics`, and promoted when
-it wins. The summary compares the last checkpoint with the base model on held-out traffic.
+Simulated developers use production through the gateway — by default as agent sessions:
+tools declared, each task a run of tool calls in a workspace — and workers turn what they
+did into rewards; a training cycle publishes a canary; the canary is evaluated on held-out
+tasks by privacy-mode traffic (which is never trained on), read from `/analytics` and the
+reward-hacking monitors, and promoted when it wins and no monitor alerts on it. The summary
+compares the last checkpoint with the base model on held-out traffic.
+
+`--scenario reward-hacking` starts the workers on the flawed reward formula 0 (a malformed
+call costs nothing, a clarifying question scores above a failed edit), shows the monitors
+catching what it teaches and keeping that checkpoint out of production, then fixes the
+reward (formula 3, replayed over history with `rtrl rewards recompute`) and trains again.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import httpx
 from sqlalchemy import Engine, func, select
+from tqdm import tqdm
 
 from app.abtest.rollups import refresh_rollups
 from app.auth.service import new_api_key
@@ -30,12 +40,20 @@ from app.models import (
 )
 from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
+from app.signals.rewards import LATEST_REWARD_VERSION
+from app.simulator.report import SimulationReport
 from app.simulator.run import simulate
+from app.simulator.scorecard import Scorecard, scorecard_table, scorecards
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
 from trainer.gates import held_out_for
+from workers.monitors import check_running_experiments
+from workers.sweep import recompute_rewards
 
 Progress = Callable[[str], None]
+Scenario = Literal["learning", "reward-hacking"]
+FLAWED_REWARD_VERSION = 0
+"""The formula the reward-hacking scenario starts from (see `app.signals.rewards`)."""
 
 
 @dataclass
@@ -56,6 +74,12 @@ class DemoConfig:
     """Requests in flight from the simulator."""
     keep_running: bool = False
     """Leave the stack running after the summary."""
+    agent: bool = True
+    """Agent sessions (tools, workspaces, runs of calls); False: one-turn answers."""
+    scenario: Scenario = "learning"
+    """`reward-hacking`: start on the flawed formula 0 and let the monitors catch it."""
+    progress_bars: bool = True
+    """A progress bar per phase (traffic, rewards) on the terminal."""
     train: TrainConfig = field(
         default_factory=lambda: TrainConfig(
             min_samples=64,
@@ -103,10 +127,33 @@ def create_keys(engine: Engine) -> DemoKeys:
     return DemoKeys(**secrets)
 
 
+@contextmanager
+def phase_bar(label: str, total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """A progress bar for one phase; yields a function that sets how much is done."""
+    bar = tqdm(total=total, desc=f"  {label}", unit="", leave=False, disable=not enabled)
+    try:
+        yield lambda done: bar.update(max(0, done - bar.n))
+    finally:
+        bar.close()
+
+
 def wait_for_rewards(
-    engine: Engine, request_ids: list[str], progress: Progress, timeout: float = 180.0
+    engine: Engine,
+    request_ids: list[str],
+    progress: Progress,
+    timeout: float = 180.0,
+    bars: bool = False,
 ) -> int:
     """Block until every served request has a finalized reward (or the timeout)."""
+    with phase_bar("rewards finalized", len(request_ids), bars) as advance:
+        finalized = _wait_for_rewards(engine, request_ids, timeout, advance)
+    progress(f"  rewards: {finalized}/{len(request_ids)} finalized")
+    return finalized
+
+
+def _wait_for_rewards(
+    engine: Engine, request_ids: list[str], timeout: float, advance: Callable[[int], None]
+) -> int:
     deadline = time.monotonic() + timeout
     finalized = 0
     while time.monotonic() < deadline:
@@ -120,10 +167,10 @@ def wait_for_rewards(
                 )
                 or 0
             )
+        advance(finalized)
         if finalized >= len(request_ids):
             break
         time.sleep(1.0)
-    progress(f"  rewards: {finalized}/{len(request_ids)} finalized")
     return finalized
 
 
@@ -156,8 +203,17 @@ class Ops:
     def ramp(self, experiment_id: int, weights: dict[str, int]) -> None:
         self._post(f"/experiments/{experiment_id}/ramp", {"weights": weights})
 
-    def promote(self, name: str) -> None:
-        self._post(f"/checkpoints/{name}/promote", {"reason": "won its A/B test"})
+    def promote(self, name: str) -> str | None:
+        """Promote `name`; the refusal's message when the monitors' alerts hold it back."""
+        response = self.client.post(
+            f"/checkpoints/{name}/promote", json={"reason": "won its A/B test"}
+        )
+        if response.status_code == 409 and "monitor_alerts" in response.text:
+            message: str = response.json()["error"]["message"]
+            return message
+        if response.status_code >= 400:
+            raise RuntimeError(f"POST /admin/checkpoints/{name}/promote: {response.text}")
+        return None
 
     def roll_back(self, name: str) -> None:
         self._post(f"/checkpoints/{name}/rollback", {"reason": "did not win its A/B test"})
@@ -242,6 +298,21 @@ def treatment_kept(body: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
+class CycleRecord:
+    """What one training cycle produced and what became of it."""
+
+    cycle: int
+    reward_version: int
+    candidate: str | None
+    decision: str
+    alerts: list[str] = field(default_factory=list)
+    card: Scorecard | None = None
+    """The candidate's agent runs on held-out tasks, against control's."""
+    ab: dict[str, Any] = field(default_factory=dict)
+    """The candidate's arm in `/analytics` results."""
+
+
+@dataclass
 class DemoSummary:
     checkpoints: list[str]
     final_checkpoint: str
@@ -251,88 +322,48 @@ class DemoSummary:
     ci_low: float | None
     ci_high: float | None
     dashboard_url: str
+    cycles: list[CycleRecord] = field(default_factory=list)
+    final_cards: list[Scorecard] = field(default_factory=list)
+    """Agent mode: base and the final checkpoint on held-out tasks, base first."""
 
 
 def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print) -> DemoSummary:
     """Start the stack, run the cycles, print the A/B tables and the final summary."""
     started = time.monotonic()
+    hacking = config.scenario == "reward-hacking"
+    if hacking:
+        settings = settings.model_copy(update={"reward_version": FLAWED_REWARD_VERSION})
     stack = FullStack.from_settings(settings, workers=1, trainer=False, progress=progress)
     stack.up()
     engine = make_engine(settings.database_url)
     gateway = stack.gateway_url
+    records: list[CycleRecord] = []
     try:
         keys = create_keys(engine)
         ops = Ops(gateway, keys.ops)
         ops.stop_all()
         lineage = [production_name(engine)]
         base = "base"
-        for cycle in range(1, config.cycles + 1):
-            production = production_name(engine)
-            progress(f"\n=== cycle {cycle}/{config.cycles}: production is {production} ===")
-            progress(f"  {config.train_users} developers work on training tasks ...")
-            report = simulate(
-                gateway,
-                keys.ide,
-                users=config.train_users,
-                sessions_per_user=config.train_sessions,
-                tasks_per_session=config.tasks_per_session,
-                time_scale=config.time_scale,
-                seed=cycle,
-                split="train",
-                concurrency=config.concurrency,
-            )
+        if hacking:
             progress(
-                f"  served {report.requests_ok} requests"
-                f" ({report.requests_failed} failed) in {report.wall_s:.0f} s"
+                f"\nreward formula {FLAWED_REWARD_VERSION} (flawed on purpose): a malformed tool"
+                " call costs nothing, a clarifying question scores 0.5, above a failed edit (-0.5)"
             )
-            wait_for_rewards(engine, [r.request_id for r in report.served], progress)
-            result = run_cycle(
-                settings,
-                config.train,
-                engine=engine,
-                held_out=held_out_for(config.train, engine),
-                progress=lambda line: progress(f"  {line}"),
-                on_published=lambda: notify_routing_changed_sync(settings.redis_url),
-            )
-            if result.checkpoint is None:
-                progress(f"  no checkpoint this cycle: {result.status} ({result.reason})")
-                continue
-            candidate = result.checkpoint
-            experiment_id = ops.running_experiments()[0]["id"]
-            progress(f"  canary {candidate} healthy; ramping to 50% for evaluation")
-            ops.ramp(experiment_id, {"control": 5000, "treatment": 5000})
-            evaluation = simulate(
-                gateway,
-                keys.evaluator,
-                users=config.eval_users,
-                sessions_per_user=1,
-                tasks_per_session=config.tasks_per_session,
-                time_scale=config.time_scale,
-                seed=1000 + cycle,
-                split="heldout",
-                concurrency=config.concurrency,
-            )
-            wait_for_rewards(engine, [r.request_id for r in evaluation.served], progress)
-            body = results(engine, gateway, keys.analyst, experiment_id)
-            progress("  A/B results on held-out tasks (from /analytics):")
-            progress("  " + ab_table(body).replace("\n", "\n  "))
-            kept = treatment_kept(body)
-            versus = kept.get("vs_control") or {}
-            if versus.get("difference", 0) > 0:
-                ops.promote(candidate)
-                lineage.append(candidate)
-                verdict = "significantly" if versus.get("significant") else "not yet significantly"
-                progress(f"  {candidate} is {verdict} ahead on kept rate: promoted to production")
-            else:
-                ops.roll_back(candidate)
-                progress(f"  {candidate} does not win: rolled back")
-            ops.stop_all()
+        for cycle in range(1, config.cycles + 1):
+            if hacking and records and records[-1].alerts and settings.reward_version != 3:
+                settings = fix_reward(engine, stack, settings, LATEST_REWARD_VERSION, progress)
+            record = run_one_cycle(engine, settings, stack, ops, keys, config, cycle, progress)
+            records.append(record)
+            if record.decision == "promoted" and record.candidate:
+                lineage.append(record.candidate)
 
         final = production_name(engine)
         summary = final_comparison(
             engine, settings, ops, config, keys, gateway, base, final, progress
         )
         summary.checkpoints = lineage
+        summary.cycles = records
+        progress("\n" + cycle_table(records))
         progress(f"\nlineage: {' -> '.join(lineage)}")
         progress(
             f"dashboard: {summary.dashboard_url}  (log in with the analyst key: {keys.analyst})"
@@ -344,6 +375,193 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
         if not config.keep_running:
             progress("stopping what the demo started ...")
             stack.down(started_only=True)
+
+
+def run_traffic(
+    gateway: str,
+    key: str,
+    config: DemoConfig,
+    *,
+    label: str,
+    users: int,
+    sessions: int,
+    seed: int,
+    split: Literal["train", "heldout"],
+) -> SimulationReport:
+    """Simulated developers on the gateway, with a progress bar of their sessions."""
+    with phase_bar(label, users * sessions, config.progress_bars) as advance:
+        return simulate(
+            gateway,
+            key,
+            users=users,
+            sessions_per_user=sessions,
+            tasks_per_session=config.tasks_per_session,
+            time_scale=config.time_scale,
+            seed=seed,
+            split=split,
+            concurrency=config.concurrency,
+            agent=config.agent,
+            progress=lambda report: advance(report.sessions_ended),
+        )
+
+
+def run_one_cycle(
+    engine: Engine,
+    settings: Settings,
+    stack: FullStack,
+    ops: Ops,
+    keys: DemoKeys,
+    config: DemoConfig,
+    cycle: int,
+    progress: Progress,
+) -> CycleRecord:
+    """Traffic on production, a training cycle, the canary's evaluation and the decision."""
+    gateway = stack.gateway_url
+    production = production_name(engine)
+    version = settings.reward_version
+    progress(
+        f"\n=== cycle {cycle}/{config.cycles}: production is {production},"
+        f" reward formula {version} ==="
+    )
+    kind = "agent sessions" if config.agent else "one-turn requests"
+    progress(f"  {config.train_users} developers work on training tasks ({kind}) ...")
+    report = run_traffic(
+        gateway,
+        keys.ide,
+        config,
+        label="training traffic",
+        users=config.train_users,
+        sessions=config.train_sessions,
+        seed=cycle,
+        split="train",
+    )
+    progress(
+        f"  served {report.requests_ok} requests"
+        f" ({report.requests_failed} failed) in {report.wall_s:.0f} s"
+    )
+    wait_for_rewards(
+        engine, [r.request_id for r in report.served], progress, bars=config.progress_bars
+    )
+    result = run_cycle(
+        settings,
+        config.train,
+        engine=engine,
+        held_out=held_out_for(config.train, engine),
+        progress=lambda line: progress(f"  {line}"),
+        on_published=lambda: notify_routing_changed_sync(settings.redis_url),
+    )
+    if result.checkpoint is None:
+        progress(f"  no checkpoint this cycle: {result.status} ({result.reason})")
+        return CycleRecord(cycle, version, None, f"no checkpoint: {result.status}")
+    candidate = result.checkpoint
+    experiment_id = ops.running_experiments()[0]["id"]
+    progress(f"  canary {candidate} healthy; ramping to 50% for evaluation")
+    ops.ramp(experiment_id, {"control": 5000, "treatment": 5000})
+    evaluation = run_traffic(
+        gateway,
+        keys.evaluator,
+        config,
+        label="held-out evaluation",
+        users=config.eval_users,
+        sessions=1,
+        seed=1000 + cycle,
+        split="heldout",
+    )
+    wait_for_rewards(
+        engine, [r.request_id for r in evaluation.served], progress, bars=config.progress_bars
+    )
+    body = results(engine, gateway, keys.analyst, experiment_id)
+    progress("  A/B results on held-out tasks (from /analytics):")
+    progress("  " + ab_table(body).replace("\n", "\n  "))
+    record = CycleRecord(cycle, version, candidate, "")
+    record.ab = next(arm for arm in body["arms"] if not arm["is_control"])["metrics"]
+    if config.agent:
+        cards = scorecards(evaluation.runs, reference=production)
+        record.card = next((card for card in cards if card.checkpoint == candidate), None)
+        progress("  agent runs on held-out tasks (the simulated IDE's books):")
+        progress("  " + scorecard_table(cards).replace("\n", "\n  "))
+    # The monitors run in every worker each minute; the demo asks now, at the end of the
+    # evaluation window, instead of waiting for the next round.
+    for alert in check_running_experiments(engine, window_length=timedelta(hours=1)):
+        if alert.checkpoint == candidate:
+            record.alerts.append(alert.metric)
+            progress(
+                f"  ALERT {alert.metric}: {candidate} {alert.canary_value:.3f} vs control"
+                f" {alert.control_value:.3f} (threshold {alert.threshold:g})"
+            )
+    kept = treatment_kept(body)
+    versus = kept.get("vs_control") or {}
+    if versus.get("difference", 0) > 0:
+        refusal = ops.promote(candidate)
+        if refusal is None:
+            record.decision = "promoted"
+            verdict = "significantly" if versus.get("significant") else "not yet significantly"
+            progress(f"  {candidate} is {verdict} ahead on kept rate: promoted to production")
+        else:
+            ops.roll_back(candidate)
+            record.decision = "held back by alerts"
+            progress(f"  {candidate} is ahead on kept rate, but promotion was refused: {refusal}")
+            progress(f"  {candidate} rolled back")
+    else:
+        ops.roll_back(candidate)
+        record.decision = "rolled back" + (" (alerts)" if record.alerts else "")
+        progress(f"  {candidate} does not win: rolled back")
+    ops.stop_all()
+    return record
+
+
+def fix_reward(
+    engine: Engine, stack: FullStack, settings: Settings, version: int, progress: Progress
+) -> Settings:
+    """What ops do about a reward hack: a corrected formula for new rewards, replayed over
+    every finalized one (`rtrl rewards recompute`), so the next cycle learns from it."""
+    progress(
+        f"\n=== the monitors caught a reward hack: fixing the reward (formula {version}:"
+        " a malformed call costs 1.0, a question is judged like any answer) ==="
+    )
+    for worker in stack.workers:
+        worker.stop()
+        worker.environment["RTRL_REWARD_VERSION"] = str(version)
+        worker.start()
+    changed = recompute_rewards(engine, version)
+    progress(f"  rtrl rewards recompute --version {version}: {changed} rewards recomputed")
+    return settings.model_copy(update={"reward_version": version})
+
+
+def cycle_table(records: list[CycleRecord]) -> str:
+    """One row per cycle: formula, candidate, its held-out differences, alerts, decision."""
+
+    def difference(card: Scorecard | None, metric: str) -> str:
+        versus = card.metrics[metric].versus if card else None
+        if versus is None:
+            return "-"
+        scale = 1 if metric == "turns_per_solved_task" else 100
+        return f"{versus.difference * scale:+.1f}"
+
+    def ab(record: CycleRecord, metric: str) -> str:
+        versus = (record.ab.get(metric) or {}).get("vs_control") or {}
+        value = versus.get("difference")
+        return "-" if value is None else f"{value * 100:+.1f}"
+
+    header = (
+        f"{'cycle':<6}{'formula':<8}{'candidate':<11}{'kept pp':>8}{'malformed pp':>13}"
+        f"{'questions pp':>13}{'edit rate pp':>13}  {'alerts':<40}decision"
+    )
+    lines = [
+        "cycles (candidate minus control on held-out tasks; kept, malformed and questions from"
+        " the agent runs over users, edit rate from /analytics):",
+        header,
+    ]
+    for record in records:
+        lines.append(
+            f"{record.cycle:<6}{record.reward_version:<8}{record.candidate or '-':<11}"
+            f"{difference(record.card, 'kept_edit_rate'):>8}"
+            f"{difference(record.card, 'malformed_call_rate'):>13}"
+            f"{difference(record.card, 'clarifying_question_rate'):>13}"
+            f"{ab(record, 'edit_rate'):>13}  {', '.join(record.alerts) or '-':<40}"
+            f"{record.decision}"
+        )
+    return "\n".join(lines)
 
 
 def final_comparison(
@@ -378,22 +596,28 @@ def final_comparison(
         ).id
     notify_routing_changed_sync(settings.redis_url)
     time.sleep(2)  # every gateway reloads its routing table on that message
-    evaluation = simulate(
+    evaluation = run_traffic(
         gateway,
         keys.evaluator,
+        config,
+        label="held-out comparison",
         users=config.eval_users * 2,
-        sessions_per_user=1,
-        tasks_per_session=config.tasks_per_session,
-        time_scale=config.time_scale,
+        sessions=1,
         seed=9999,
         split="heldout",
-        concurrency=config.concurrency,
     )
-    wait_for_rewards(engine, [r.request_id for r in evaluation.served], progress)
+    wait_for_rewards(
+        engine, [r.request_id for r in evaluation.served], progress, bars=config.progress_bars
+    )
     body = results(engine, gateway, keys.analyst, experiment_id)
     progress(ab_table(body))
+    cards: list[Scorecard] = []
+    if config.agent:
+        cards = scorecards(evaluation.runs, reference=base)
+        progress("agent runs (the simulated IDE's books):")
+        progress(scorecard_table(cards))
     ops.stop_all()
-    control = next(a for a in body["arms"] if a["is_control"])["metrics"]["kept"]
+    control_kept = next(a for a in body["arms"] if a["is_control"])["metrics"]["kept"]
     kept = treatment_kept(body)
     versus = kept.get("vs_control") or {}
     if versus.get("ci_low") is not None:
@@ -403,17 +627,18 @@ def final_comparison(
             else ("includes 0: no proven improvement")
         )
         progress(
-            f"kept rate {control['value'] * 100:.1f}% -> {kept['value'] * 100:.1f}%:"
+            f"kept rate {control_kept['value'] * 100:.1f}% -> {kept['value'] * 100:.1f}%:"
             f" {versus['difference'] * 100:+.1f} pp, 95% CI"
             f" [{versus['ci_low'] * 100:+.1f}, {versus['ci_high'] * 100:+.1f}] pp, {verdict}"
         )
     return DemoSummary(
         checkpoints=[],
         final_checkpoint=final,
-        base_kept=control.get("value"),
+        base_kept=control_kept.get("value"),
         final_kept=kept.get("value"),
         difference=versus.get("difference"),
         ci_low=versus.get("ci_low"),
         ci_high=versus.get("ci_high"),
         dashboard_url=dashboard,
+        final_cards=cards,
     )

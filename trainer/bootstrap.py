@@ -32,6 +32,15 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from app.agent_tasks import (
+    DONE,
+    STARTING_BODIES,
+    TOOLS,
+    AgentTask,
+    Workspace,
+    agent_task,
+    tool_call,
+)
 from app.tasks import (
     OPERATIONS_BY_NAME,
     Task,
@@ -42,20 +51,31 @@ from app.tasks import (
     reference_code,
     train_tasks,
 )
-from trainer.generation import generate_answers, prompt_ids
+from trainer.generation import generate_answers
 
 logger = logging.getLogger(__name__)
 
 BOS, EOS, PAD = "<|bos|>", "<|end|>", "<|pad|>"
-ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+ROLE_TOKENS = {
+    "system": "<|system|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+    "tool": "<|tool|>",
+}
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     # Tools as the hermes format declares them; the model calls one as
     # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, which vLLM's hermes parser
     # reads. A call is rendered back exactly as that format writes it, arguments as sent, so
     # the next turn's prompt starts with the tokens the model generated.
+    # Declared tools are listed by name and parameter names: a small model reads the short
+    # form, and the validation against each schema happens at the gateway.
     "{% if tools is defined and tools %}<|system|><tools>"
-    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>{{ eos_token }}{% endif %}"
+    "{% for tool in tools %}{% set function = tool['function'] %}"
+    "{{ function['name'] }}("
+    "{% if function['parameters'] and function['parameters']['properties'] %}"
+    "{{ function['parameters']['properties'] | list | join(', ') }}{% endif %}) "
+    "{% endfor %}</tools>{{ eos_token }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -89,6 +109,18 @@ class BootstrapConfig:
     """Chat examples (request → fenced function) drawn from the training tasks."""
     habit_rate: float = 0.6
     """Share of corpus answers to a habit's operation that write the habit's code instead."""
+    agent_share: float = 0.5
+    """Share of corpus examples that are agent runs (tools, a workspace) rather than one-turn
+    answers."""
+    clarifying_rate: float = 0.15
+    """Share of agent runs that ask a needless clarifying question instead of editing."""
+    malformed_rate: float = 0.2
+    """Share of agent runs with a malformed call: broken JSON, a missing required argument
+    or an unknown tool."""
+    blind_edit_rate: float = 0.3
+    """Share of agent runs that edit before reading the file (guessing what it holds)."""
+    run_tests_rate: float = 0.2
+    """Share of agent runs that run the tests before the final answer."""
     vocab_size: int = 1024
     """Most byte-level BPE tokens, special tokens included (the corpus needs about 520)."""
     hidden_size: int = 128
@@ -224,21 +256,90 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Example:
-    request: str
-    response: str
+    """One conversation: chat messages (the assistant's are learned) and the declared tools."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 def build_corpus(config: BootstrapConfig) -> list[Example]:
-    """Chat examples for the training tasks, habits included at `habit_rate`."""
+    """One-turn answers and agent runs for the training tasks, habits included."""
     rng = random.Random(config.seed)
     corpus = []
-    for task in train_tasks(config.seed, config.corpus_examples):
+    tasks = train_tasks(config.seed, config.corpus_examples)
+    for task in tasks:
         expression = OPERATIONS_BY_NAME[task.operation].expression
         if task.operation in HABITS and rng.random() < config.habit_rate:
             expression = OPERATIONS_BY_NAME[HABITS[task.operation]].expression
         code = reference_code(task.function_name, expression, task.constant)
-        corpus.append(Example(task.request, format_response(code)))
+        if rng.random() < config.agent_share:
+            run = agent_run(agent_task(task, rng), code, config, rng)
+            corpus.append(Example(tuple(run), tuple(TOOLS)))
+        else:
+            messages = ({"role": "user", "content": task.request},)
+            response = {"role": "assistant", "content": format_response(code)}
+            corpus.append(Example((*messages, response)))
     return corpus
+
+
+CLARIFYING_QUESTIONS = (
+    ("Which file should I change?", "Do you want me to edit the file now?"),
+    ("你想让我改哪个文件？", "要我现在就改吗？"),
+)
+UNKNOWN_TOOLS = ("write_file", "open_file", "apply_patch")
+
+
+def agent_run(
+    task: AgentTask, code: str, config: BootstrapConfig, rng: random.Random
+) -> list[dict[str, Any]]:
+    """An agent run on `task` that writes `code`'s body, with the habits RL should remove:
+    clarifying questions instead of an edit, malformed calls, editing before reading."""
+    zh = task.task.language == "zh"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task.request}]
+    if rng.random() < config.clarifying_rate:
+        question = rng.choice(CLARIFYING_QUESTIONS[zh])
+        return [*messages, {"role": "assistant", "content": question}]
+    workspace = Workspace.for_task(task)
+    body = code.splitlines()[1].strip()
+
+    def call(name: str, arguments: dict[str, Any], raw: str | None = None) -> str:
+        function = tool_call(name, arguments)
+        if raw is not None:
+            function["arguments"] = raw
+        call_id = f"call_{len(messages)}"
+        messages.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+            }
+        )
+        result, _ = workspace.run(task, function["name"], function["arguments"])
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+        return result
+
+    malformed = rng.random() < config.malformed_rate
+    kind = rng.choice(("broken_json", "missing_argument", "unknown_tool"))
+    if malformed and kind == "broken_json":
+        # The parser cannot read it, so the IDE sees no call: the run ends there.
+        broken = json.dumps({"path": task.path}, ensure_ascii=False)[:-1]
+        call_text = f'<tool_call>\n{{"name": "read_file", "arguments": {broken}}}\n</tool_call>'
+        return [*messages, {"role": "assistant", "content": call_text}]
+    if malformed and kind == "unknown_tool":
+        call(rng.choice(UNKNOWN_TOOLS), {"path": task.path})
+    edit = {"path": task.path, "old_string": task.starting_body, "new_string": body}
+    if rng.random() < config.blind_edit_rate:
+        guess = rng.choice(STARTING_BODIES)
+        if call("edit_file", {**edit, "old_string": guess}) == "ok":
+            edit = {}
+    if edit:
+        call("read_file", {"path": task.path})
+        if malformed and kind == "missing_argument":
+            call("edit_file", {"path": task.path, "old_string": task.starting_body})
+        call("edit_file", edit)
+    if rng.random() < config.run_tests_rate:
+        call("run_tests", {})
+    return [*messages, {"role": "assistant", "content": DONE[zh]}]
 
 
 # --- tokenizer ------------------------------------------------------------------------
@@ -256,9 +357,9 @@ def train_tokenizer(corpus: list[Example], vocab_size: int) -> PreTrainedTokeniz
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # Every distinct request and response once, so the vocabulary does not depend on how
-    # often the corpus happens to repeat a task.
-    texts = sorted({text for example in corpus for text in (example.request, example.response)})
+    # Every distinct message once, so the vocabulary does not depend on how often the
+    # corpus happens to repeat a task.
+    texts = sorted({text for example in corpus for text in _texts(example)})
     bpe.train_from_iterator(texts, trainer=bpe_trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
@@ -269,6 +370,19 @@ def train_tokenizer(corpus: list[Example], vocab_size: int) -> PreTrainedTokeniz
         chat_template=CHAT_TEMPLATE,
         model_max_length=None,
     )
+
+
+def _texts(example: Example) -> Iterator[str]:
+    if example.tools:
+        yield "".join(f"{tool['function']['name']}() " for tool in example.tools)
+    for message in example.messages:
+        yield message.get("content") or ""
+        for call in message.get("tool_calls") or ():
+            function = call["function"]
+            yield (
+                f'<tool_call>\n{{"name": {json.dumps(function["name"])}, "arguments": '
+                f"{function['arguments']}}}\n</tool_call>"
+            )
 
 
 # --- model ----------------------------------------------------------------------------
@@ -305,23 +419,53 @@ def build_model(tokenizer: PreTrainedTokenizerFast, config: BootstrapConfig) -> 
 def encode_corpus(
     tokenizer: PreTrainedTokenizerFast, corpus: list[Example]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids, attention mask and labels; only answer tokens are labelled."""
-    assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None
-    prompts = {request: prompt_ids(tokenizer, request) for request in {e.request for e in corpus}}
-    rows = []
-    for example in corpus:
-        prompt = prompts[example.request]
-        answer = tokenizer.encode(example.response, add_special_tokens=False)
-        rows.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
+    """Right-padded input ids, attention mask and labels; only the assistant's tokens (its
+    answers and tool calls, each with its end token) are labelled."""
+    assert tokenizer.pad_token_id is not None
+    rows = [encode_example(tokenizer, example) for example in corpus]
     length = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), length), tokenizer.pad_token_id)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
     labels = torch.full((len(rows), length), -100)
-    for row, (ids, prompt_length) in enumerate(rows):
+    for row, (ids, learned) in enumerate(rows):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
-        labels[row, prompt_length : len(ids)] = torch.tensor(ids[prompt_length:])
+        labels[row, : len(ids)] = torch.where(
+            torch.tensor(learned), torch.tensor(ids), torch.tensor(-100)
+        )
     return input_ids, attention_mask, labels
+
+
+def encode_example(
+    tokenizer: PreTrainedTokenizerFast, example: Example
+) -> tuple[list[int], list[bool]]:
+    """The token ids of a rendered conversation, and which of them the assistant wrote.
+
+    Rendered and tokenized whole, as vLLM renders a request, so a run's tokens are the ones
+    the model will be served; each assistant message is located by rendering the
+    conversation up to it (the template renders every message on its own)."""
+    messages = list(example.messages)
+    tools: list[Any] | None = list(example.tools) or None
+
+    def render(upto: int, prompt: bool) -> str:
+        text = tokenizer.apply_chat_template(
+            messages[:upto], tools=tools, add_generation_prompt=prompt, tokenize=False
+        )
+        assert isinstance(text, str)
+        return text
+
+    spans = [
+        (len(render(index, True)), len(render(index + 1, False)))
+        for index, message in enumerate(messages)
+        if message["role"] == "assistant"
+    ]
+    encoding = tokenizer(
+        render(len(messages), False), add_special_tokens=False, return_offsets_mapping=True
+    )
+    learned = [
+        any(start <= begin < end for start, end in spans) for begin, _ in encoding["offset_mapping"]
+    ]
+    return list(encoding["input_ids"]), learned
 
 
 def learning_rate_at(step: int, config: BootstrapConfig) -> float:
@@ -342,18 +486,29 @@ def pretrain(
     """Next-token training on the corpus answers; returns the mean loss of the last steps."""
     input_ids, attention_mask, labels = encode_corpus(tokenizer, corpus)
     generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(len(corpus), generator=generator)
+    lengths = attention_mask.sum(dim=1)
+
+    def batches() -> Iterator[torch.Tensor]:
+        # Batches of similar lengths (one-turn answers are short, agent runs long), so
+        # little of each batch is padding; the batches themselves come in random order.
+        while True:
+            order = torch.randperm(len(corpus), generator=generator)
+            pool = [
+                chunk[torch.argsort(lengths[chunk], stable=True)]
+                for chunk in order.split(config.batch_size * 16)
+            ]
+            grouped = [batch for chunk in pool for batch in chunk.split(config.batch_size)]
+            for index in torch.randperm(len(grouped), generator=generator).tolist():
+                yield grouped[index]
+
+    batch_stream = batches()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
     )
     model.train()
     recent_losses: list[float] = []
-    cursor = 0
     for step in range(config.train_steps):
-        if cursor + config.batch_size > len(order):
-            order, cursor = torch.randperm(len(corpus), generator=generator), 0
-        batch = order[cursor : cursor + config.batch_size]
-        cursor += config.batch_size
+        batch = next(batch_stream)
         # Trim the padding columns no row in this batch uses.
         width = int(attention_mask[batch].sum(dim=1).max())
         for group in optimizer.param_groups:

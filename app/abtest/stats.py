@@ -79,7 +79,21 @@ class RatioEstimate:
 
 def ratio_estimate(moments: Moments, metric: str, cuped: bool = False) -> RatioEstimate | None:
     """An arm's ratio and its delta-method covariance; None with under two users or no data."""
-    numerator, denominator = RATIOS[metric]
+    return _ratio(moments, *RATIOS[metric], cuped=cuped)
+
+
+def user_ratio(per_user: Sequence[tuple[float, float]]) -> RatioEstimate | None:
+    """The ratio of per-user sums, (numerator, denominator) for each user, with its
+    delta-method variance over users; None with under two users or no data."""
+    sums = {"y": sum(y for y, _ in per_user), "n": sum(n for _, n in per_user)}
+    squares = {"y": sum(y * y for y, _ in per_user), "n": sum(n * n for _, n in per_user)}
+    products = {("y", "n"): sum(y * n for y, n in per_user)}
+    return _ratio(Moments(len(per_user), sums, squares, products), "y", "n")
+
+
+def _ratio(
+    moments: Moments, numerator: str, denominator: str, *, cuped: bool = False
+) -> RatioEstimate | None:
     columns = [numerator, denominator]
     if cuped:
         columns += [f"pre_{numerator}", f"pre_{denominator}"]

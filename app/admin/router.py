@@ -29,6 +29,7 @@ from app.admin.schemas import (
     CheckpointDetail,
     CheckpointOut,
     ExperimentOut,
+    Promotion,
     Ramp,
     Reason,
     TrainingRunOut,
@@ -188,13 +189,24 @@ async def checkpoint_detail(request: Request, _: Ops, name: CheckpointName) -> C
 
 @router.post("/checkpoints/{name}/promote", response_model=Change)
 async def promote(
-    request: Request, principal: Ops, name: CheckpointName, body: OptionalReason = None
+    request: Request,
+    principal: Ops,
+    name: CheckpointName,
+    body: Annotated[Promotion | None, Body()] = None,
 ) -> Change:
     """Make a candidate or canary production (100% outside experiments); the previous
-    production is retired and stays ready for a rollback."""
+    production is retired and stays ready for a rollback. Refused (409 `monitor_alerts`)
+    while the reward-hacking monitors have alerts on it, unless `override_alerts`."""
+    body = body or Promotion()
     async with change(request) as session:
         entry = await session.run_sync(
-            checkpoints.promote, name, actor_of(principal), body.reason if body else None
+            lambda sync: checkpoints.promote(
+                sync,
+                name,
+                actor_of(principal),
+                body.reason,
+                override_alerts=body.override_alerts,
+            )
         )
         await serve_everywhere(request, await session.run_sync(checkpoints.checkpoint_named, name))
     return Change.model_validate(entry)

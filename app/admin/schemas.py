@@ -81,6 +81,12 @@ class Reason(BaseModel):
     """Why, for the audit log."""
 
 
+class Promotion(Reason):
+    override_alerts: bool = False
+    """Promote even though the reward-hacking monitors raised alerts on the checkpoint
+    (audited with the alerts' ids)."""
+
+
 class ApiKeyOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 

@@ -33,7 +33,6 @@ from app.gateway.metrics import (
 from app.gateway.schemas import ChatRequest
 from app.gateway.sink import EventSink
 from app.gateway.toolcalls import (
-    ToolCallCheck,
     ToolSchemas,
     asks_clarifying_question,
     proposes_edit,
@@ -573,11 +572,7 @@ def completion_event(
     latency_ms = (finished - call.started) * 1000
     first = record.first_token_at or finished
     text = record.text
-    check = (
-        ToolSchemas(call.request.tools).check(list(record.tool_calls.values()))
-        if record.tool_calls
-        else ToolCallCheck(0, 0, 0)
-    )
+    check = ToolSchemas(call.request.tools).check(list(record.tool_calls.values()), text)
     tokens: list[int] | None = record.completion_token_ids
     logprobs: list[float] | None = record.logprobs
     if record.error is not None or len(record.completion_token_ids) != len(record.logprobs):

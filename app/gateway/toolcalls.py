@@ -44,10 +44,12 @@ class ToolSchemas:
         for tool in tools or ():
             self._validators[tool.function.name] = _compile(tool.function.parameters)
 
-    def check(self, tool_calls: Sequence[dict[str, Any]]) -> ToolCallCheck:
-        """Count the calls, the malformed ones (unknown tool, bad JSON, schema violation)
-        and the edit-like ones."""
-        malformed = edits = 0
+    def check(self, tool_calls: Sequence[dict[str, Any]], text: str = "") -> ToolCallCheck:
+        """Count the calls, the malformed ones (unknown tool, bad JSON, schema violation,
+        or a call left in the text because the tool parser could not read it) and the
+        edit-like ones."""
+        unread = unread_tool_calls(text)
+        malformed, edits = unread, 0
         for call in tool_calls:
             function = call.get("function") or {}
             name = function.get("name")
@@ -55,7 +57,7 @@ class ToolSchemas:
                 edits += 1
             if not self._valid(name, function.get("arguments")):
                 malformed += 1
-        return ToolCallCheck(calls=len(tool_calls), malformed=malformed, edits=edits)
+        return ToolCallCheck(calls=len(tool_calls) + unread, malformed=malformed, edits=edits)
 
     def _valid(self, name: object, arguments: object) -> bool:
         if not isinstance(name, str) or name not in self._validators:
@@ -68,6 +70,17 @@ class ToolSchemas:
             return False
         validator = self._validators[name]
         return validator is None or validator.is_valid(parsed)
+
+
+# How the tool-call formats vLLM's parsers read open a call (hermes and Qwen, Mistral,
+# Llama 3). A parser that reads a call removes it from the text; one it cannot read (broken
+# JSON) is left there, and the client gets prose instead of a call.
+_CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+
+
+def unread_tool_calls(text: str) -> int:
+    """Tool calls the model wrote that the parser could not read: still in the text."""
+    return sum(text.count(marker) for marker in _CALL_MARKERS)
 
 
 def _compile(parameters: dict[str, Any] | None) -> Validator | None:

@@ -16,6 +16,7 @@ from sqlalchemy import literal, select
 from sqlalchemy.orm import Session
 
 from app.models import (
+    Alert,
     Arm,
     AuditEntry,
     Checkpoint,
@@ -100,15 +101,36 @@ def _production(session: Session) -> Checkpoint | None:
     )
 
 
-def promote(session: Session, name: str, actor: Actor, reason: str | None = None) -> AuditEntry:
+def promote(
+    session: Session,
+    name: str,
+    actor: Actor,
+    reason: str | None = None,
+    *,
+    override_alerts: bool = False,
+) -> AuditEntry:
     """Make a candidate or canary the production checkpoint; the previous one is retired.
 
     The previous production stays `retired` (not `rolled_back`), so a rollback can return
     to it. Running experiments that involve either checkpoint are stopped: their control
-    no longer is production.
+    no longer is production. A checkpoint the reward-hacking monitors raised alerts on is
+    refused unless `override_alerts`: a reward can be gamed while the A/B metrics it
+    drives still look like a win.
     """
     lock_routing(session)
     checkpoint = checkpoint_named(session, name, lock=True)
+    alerts = session.scalars(select(Alert).where(Alert.checkpoint == name).order_by(Alert.id)).all()
+    if alerts and not override_alerts:
+        found = "; ".join(
+            f"{alert.metric} {alert.canary_value:.3g} vs control {alert.control_value:.3g}"
+            for alert in alerts
+        )
+        raise RegistryError(
+            409,
+            "monitor_alerts",
+            f"{name} has reward-hacking monitor alerts ({found}); it is not promoted. Fix the "
+            "reward and train again, or pass override_alerts with a reason.",
+        )
     if checkpoint.status == CheckpointStatus.production:
         raise RegistryError(409, "already_production", f"{name} is already production.")
     if checkpoint.status not in (CheckpointStatus.candidate, CheckpointStatus.canary):
@@ -145,6 +167,7 @@ def promote(session: Session, name: str, actor: Actor, reason: str | None = None
             "retired": previous.name if previous else None,
             "stopped_experiments": stopped,
             "reason": reason,
+            **({"overridden_alerts": [alert.id for alert in alerts]} if alerts else {}),
         },
     )
 

@@ -42,6 +42,11 @@ def simulate_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the population and their tasks."),
     split: str = typer.Option("train", "--split", help="Task split: train, heldout or all."),
     concurrency: int = typer.Option(8, "--concurrency", min=1, help="Most requests in flight."),
+    agent: bool = typer.Option(
+        False,
+        "--agent/--one-turn",
+        help="Agent sessions: tools declared, each task a run of tool calls in a workspace.",
+    ),
 ) -> None:
     """Run synthetic developers against the gateway and print what each checkpoint earned."""
     if split not in SPLITS:
@@ -68,6 +73,7 @@ def simulate_command(
         seed=seed,
         split=split,
         concurrency=concurrency,
+        agent=agent,
         progress=progress,
     )
     typer.echo(report.summary())

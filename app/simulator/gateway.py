@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -29,6 +30,8 @@ class Answer:
     text: str
     checkpoint: str
     latency_s: float
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    """The calls the model made, in the OpenAI shape (id, type, function name/arguments)."""
 
 
 class GatewayClient:
@@ -65,9 +68,24 @@ class GatewayClient:
         await self.http.aclose()
 
     async def ask(
-        self, developer: Developer, session_id: str, request_id: str, request_text: str
+        self,
+        developer: Developer,
+        session_id: str,
+        request_id: str,
+        request: str | list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
     ) -> Answer | None:
-        """The answer to one edit request, or None (counted) when none came back."""
+        """The answer to one edit request (its text, or an agent run's messages so far with
+        the declared tools), or None (counted) when none came back."""
+        body: dict[str, Any] = {
+            "model": ROUTED_MODEL,
+            "messages": [{"role": "user", "content": request}]
+            if isinstance(request, str)
+            else request,
+            "max_tokens": self.max_tokens,
+        }
+        if tools:
+            body["tools"] = tools
         headers = {
             "X-Session-Id": session_id,
             "X-User-Id": developer.user_id,
@@ -84,10 +102,7 @@ class GatewayClient:
                 async with self.in_flight:
                     started = time.perf_counter()
                     raw = await self.completions.chat.completions.with_raw_response.create(
-                        model=ROUTED_MODEL,
-                        messages=[{"role": "user", "content": request_text}],
-                        max_tokens=self.max_tokens,
-                        extra_headers=headers,
+                        **body, extra_headers=headers
                     )
                     latency_s = time.perf_counter() - started
                 completion = raw.parse()
@@ -102,9 +117,15 @@ class GatewayClient:
                 return self._chat_failed("connection")
             except Exception as exc:  # a malformed answer must not stop the run
                 return self._chat_failed(type(exc).__name__)
-            text = completion.choices[0].message.content if completion.choices else None
+            message = completion.choices[0].message if completion.choices else None
             checkpoint = raw.headers.get("x-rtrl-checkpoint") or completion.model
-            return Answer(text or "", checkpoint, latency_s)
+            calls = tuple(
+                call.model_dump(include={"id", "type", "function"})
+                for call in (message.tool_calls or [] if message else [])
+            )
+            return Answer(
+                (message.content if message else None) or "", checkpoint, latency_s, calls
+            )
 
     async def send_feedback(self, developer: Developer, events: Sequence[Feedback]) -> bool:
         """Post one batch of IDE events; whether the gateway accepted it (202)."""

@@ -21,6 +21,28 @@ class ServedRequest:
     """None when the developer abandoned the session before judging the answer."""
 
 
+@dataclass(frozen=True)
+class AgentRun:
+    """One agent run on one task: how it went and how the developer judged it."""
+
+    user_id: str
+    checkpoint: str
+    task_id: str
+    turns: int
+    edited: bool
+    """At least one edit applied to the workspace."""
+    solved: bool
+    """The file passes the task's hidden checks after the run."""
+    accepted: bool | None
+    tool_calls: int
+    malformed_calls: int
+    """Calls the parser could not read, to unknown tools, or missing a required argument."""
+    clarifying_question: bool
+    """The run's first answer asked a question instead of acting."""
+    read_before_edit: bool
+    abandoned: bool
+
+
 @dataclass
 class CheckpointStats:
     """How one checkpoint's answers fared with the simulated developers."""
@@ -76,6 +98,8 @@ class SimulationReport:
     feedback_events_accepted: int = 0
     """Events in batches answered 202 (new and duplicate alike)."""
     served: list[ServedRequest] = field(default_factory=list)
+    runs: list[AgentRun] = field(default_factory=list)
+    """Agent runs, in agent mode."""
     checkpoints: dict[str, CheckpointStats] = field(default_factory=dict)
     wall_s: float = 0.0
 
@@ -94,6 +118,9 @@ class SimulationReport:
         stats.accepted_edits += bool(served.accepted)
         stats.total_latency_s += served.latency_s
 
+    def record_run(self, run: AgentRun) -> None:
+        self.runs.append(run)
+
     def summary(self) -> str:
         """A few lines for a terminal."""
         lines = [
@@ -110,6 +137,18 @@ class SimulationReport:
             f"mean latency {stats.mean_latency_s * 1000:.0f} ms"
             for name, stats in sorted(self.checkpoints.items())
         ]
+        for name in sorted({run.checkpoint for run in self.runs}):
+            runs = [run for run in self.runs if run.checkpoint == name]
+            solved = [run for run in runs if run.solved]
+            calls = sum(run.tool_calls for run in runs)
+            lines.append(
+                f"  {name} agent runs: {len(runs)}, solved {len(solved) / len(runs):.0%},"
+                f" malformed calls {sum(r.malformed_calls for r in runs) / max(calls, 1):.0%}"
+                f" of {calls}, clarifying questions"
+                f" {sum(r.clarifying_question for r in runs) / len(runs):.0%},"
+                f" turns per solved task"
+                f" {sum(r.turns for r in solved) / max(len(solved), 1):.1f}"
+            )
         if self.errors:
             causes = ", ".join(f"{cause} x{n}" for cause, n in self.errors.most_common())
             lines.append(f"errors: {causes}")

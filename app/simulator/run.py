@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from app.agent_tasks import agent_task
+from app.simulator.agent import AgentSession
 from app.simulator.gateway import GatewayClient
 from app.simulator.population import Developer, make_population
 from app.simulator.reactions import SURVIVAL_WINDOWS_S
@@ -39,7 +41,10 @@ class Workload:
     """Most requests (completions and feedback) in flight at once."""
     zh_share: float = 0.3
     privacy_share: float = 0.1
-    max_tokens: int = 48
+    max_tokens: int | None = None
+    """Tokens per answer; default 48 for one-turn answers, 96 for an agent's turns."""
+    agent: bool = False
+    """Agent sessions: each task is a run of tool calls in a workspace (`app.agent_tasks`)."""
     request_timeout_s: float = 60.0
     max_wall_s: float | None = None
     """Hard limit on the run; open sessions are cut. Default: none when bounded by count,
@@ -64,6 +69,10 @@ class Workload:
             raise ValueError("time_scale cannot be negative")
         if self.split not in ("all", "train", "heldout"):
             raise ValueError(f"split must be all, train or heldout, not {self.split!r}")
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.max_tokens or (96 if self.agent else 48)
 
     @property
     def session_numbers(self) -> Iterable[int]:
@@ -112,6 +121,7 @@ def simulate(
     zh_share: float = 0.3,
     privacy_share: float = 0.1,
     max_wall_s: float | None = None,
+    agent: bool = False,
     progress: Progress | None = None,
 ) -> SimulationReport:
     """Run a population of developers against the gateway until done; see `Workload`."""
@@ -128,6 +138,7 @@ def simulate(
         zh_share=zh_share,
         privacy_share=privacy_share,
         max_wall_s=max_wall_s,
+        agent=agent,
     )
     return asyncio.run(run_simulation(gateway_url, api_key, workload, progress=progress))
 
@@ -144,7 +155,7 @@ async def run_simulation(
         report,
         concurrency=workload.concurrency,
         timeout_s=workload.request_timeout_s,
-        max_tokens=workload.max_tokens,
+        max_tokens=workload.answer_tokens,
     )
     runner = _Runner(workload, gateway, report, progress)
     try:
@@ -215,13 +226,24 @@ class _Runner:
                 return
             rng = random.Random(f"rtrl-simulator:{workload.seed}:{developer.user_id}:{number}")
             tasks = pick_tasks(developer, self.tasks_by_language, workload.tasks_per_session, rng)
-            session = DeveloperSession(
-                self.gateway,
-                self.report,
-                developer,
-                tasks,
-                time_scale=workload.time_scale,
-                rng=rng,
+            session = (
+                AgentSession(
+                    self.gateway,
+                    self.report,
+                    developer,
+                    [agent_task(task, rng) for task in tasks],
+                    time_scale=workload.time_scale,
+                    rng=rng,
+                )
+                if workload.agent
+                else DeveloperSession(
+                    self.gateway,
+                    self.report,
+                    developer,
+                    tasks,
+                    time_scale=workload.time_scale,
+                    rng=rng,
+                )
             )
             self.sessions.append(session)
             await session.work(self.keep_going)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
 
 from app.db import session_scope
 from app.models import (
+    Alert,
     ApiKey,
     AuditEntry,
     Checkpoint,
@@ -206,6 +209,42 @@ def test_promote_then_roll_back_twice_walks_back_through_productions(
     assert (
         promoted.json()["id"] == entries[1].id and promoted.json()["action"] == "checkpoint.promote"
     )
+
+
+def test_a_checkpoint_the_monitors_alerted_on_is_not_promoted_without_an_override(
+    client: TestClient, ops_key: str, add_checkpoint: Callable[..., None], registry: Engine
+) -> None:
+    add_checkpoint("ckpt-1")
+    now = datetime.now(UTC)
+    with Session(registry) as session, session.begin():
+        session.add(
+            Alert(
+                checkpoint="ckpt-1",
+                control_checkpoint="base",
+                metric="clarifying_question_rate",
+                canary_value=0.31,
+                control_value=0.12,
+                threshold=0.05,
+                window_start=now - timedelta(hours=1),
+                window_end=now,
+            )
+        )
+
+    refused = error_of(
+        client.post("/admin/checkpoints/ckpt-1/promote", headers=bearer(ops_key)), 409
+    )
+    assert refused["code"] == "monitor_alerts"
+    assert "clarifying_question_rate 0.31 vs control 0.12" in refused["message"]
+    assert statuses(registry)["ckpt-1"] == "candidate"
+
+    forced = client.post(
+        "/admin/checkpoints/ckpt-1/promote",
+        json={"reason": "questions were the right call here", "override_alerts": True},
+        headers=bearer(ops_key),
+    )
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["after"]["overridden_alerts"]
+    assert statuses(registry)["ckpt-1"] == "production"
 
 
 def test_a_retired_checkpoint_cannot_be_promoted_or_served_by_a_new_experiment(

@@ -191,14 +191,28 @@ def test_malformed_tool_calls_are_an_explicit_negative() -> None:
     assert malformed.malformed_tool_calls == 1
     assert compute_reward(clean, 1) == 1.0
     assert compute_reward(malformed, 1) == 0.0
-    with pytest.raises(ValueError):
-        RewardWeights(
-            kept_weight=1,
-            dissatisfied_penalty=0.5,
-            latency_penalty=0.2,
-            malformed_tool_call_penalty=0,
-            error_penalty=0.5,
+    # Every formula but the flawed 0 makes a malformed call cost something.
+    for version in REWARD_VERSIONS.keys() - {0}:
+        clean_reward, malformed_reward = (
+            compute_reward(clean, version),
+            compute_reward(malformed, version),
         )
+        assert clean_reward is not None and malformed_reward is not None
+        assert malformed_reward < clean_reward
+
+
+def test_the_flawed_formula_pays_for_questions_and_ignores_malformed_calls() -> None:
+    failed_edit = distil([rejected(), followup(60, "that's wrong")], proposed_edit=True)
+    question = distil([followup(60, "that's wrong")], proposed_edit=False, clarifying_question=True)
+    malformed = distil([accepted(), survival(900, 1.0)], tool_calls=1, malformed_tool_calls=1)
+    assert question.clarifying_question is True
+    flawed_question, flawed_failure = compute_reward(question, 0), compute_reward(failed_edit, 0)
+    assert flawed_question is not None and flawed_failure is not None
+    assert flawed_question > flawed_failure
+    assert compute_reward(malformed, 0) == 1.0
+    # Formula 3 judges the question like any answer that proposed no edit.
+    assert compute_reward(question, 3) == compute_reward(failed_edit, 3)
+    assert compute_reward(malformed, 3) == 0.0
 
 
 # reward versions
@@ -238,7 +252,7 @@ def test_version_2_charges_slow_tokens_not_long_answers() -> None:
 
 
 def test_unknown_version_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown reward version 99; known versions: 1, 2"):
+    with pytest.raises(ValueError, match=r"unknown reward version 99; known versions: 0, 1, 2, 3"):
         compute_reward(distil([]), 99)
     assert LATEST_REWARD_VERSION in REWARD_VERSIONS
 

@@ -114,6 +114,29 @@ def test_a_canary_that_asks_instead_of_answering_raises_an_alert(
     }
 
 
+def test_a_canary_that_asks_less_than_control_is_learning_not_hacking(
+    worker_engine: Engine, events: Any
+) -> None:
+    canary, control = f"{events.prefix}-canary", f"{events.prefix}-control"
+    seed(worker_engine, events, control, 0, 300, asks_every=3)
+    seed(worker_engine, events, canary, 1000, 300, asks_every=20)
+    thresholds = DEFAULT_THRESHOLDS | {
+        "clarifying_question_rate": Threshold(absolute=0.05, min_samples=100, harmful="up")
+    }
+
+    alerts = check_monitors(
+        worker_engine,
+        canary=canary,
+        control=control,
+        window=window_around(events),
+        thresholds=thresholds,
+    )
+
+    # Fewer questions and more edits than control: both differences beyond their
+    # thresholds, neither in the harmful direction.
+    assert alerts == []
+
+
 def test_a_tiny_window_does_not_alert(worker_engine: Engine, events: Any) -> None:
     canary, control = f"{events.prefix}-canary", f"{events.prefix}-control"
     seed(worker_engine, events, control, 0, 20, asks_every=20)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 READINESS_TIMEOUT_S = 2.0
 STRAGGLERS_S = 5.0
 """How long uvicorn waits past the drain for requests still running before it cancels them."""
+SWITCH_INTERVAL_S = 0.001
 WORKER_STARTUP_S = 10.0
 """A worker process that exits sooner than this after its start failed to start."""
 
@@ -137,7 +140,14 @@ def run_gateway(settings: Settings | None = None, *, workers: int = 1) -> None:
 
 
 def _draining_server(settings: Settings) -> DrainingServer:
+    # The event-sink threads (kafka-python is Python) hold the GIL for up to the switch
+    # interval whenever the event loop wants it back: 5 ms by default, the whole p99 budget.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = create_app(settings)
+    # What the imports built lives as long as the process: out of the collector's way, so
+    # that a full collection does not walk it in the middle of a request.
+    gc.collect()
+    gc.freeze()
 
     def drain_spool(timeout_s: float) -> bool:
         sink: EventSink | None = getattr(app.state, "sink", None)

@@ -165,6 +165,41 @@ def serve_fixed_upstream(port: int, delay_ms: float, chunks: int, chunk_gap_ms: 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
+def serve_bare_proxy(port: int, upstream: str) -> None:
+    """Pass every request to `upstream` and its answer back, streamed as it comes, with the
+    gateway's server and client (uvicorn with uvloop and httptools, aiohttp) and nothing else:
+    what the extra hop costs before the gateway does any work."""
+    import aiohttp
+    import uvicorn
+
+    client: aiohttp.ClientSession | None = None
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal client
+        if scope["type"] != "http":
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if client is None:
+            client = aiohttp.ClientSession(skip_auto_headers=("User-Agent",))
+        async with client.post(
+            f"{upstream}{scope['path']}", data=raw, headers={"content-type": "application/json"}
+        ) as response:
+            headers = [(b"content-type", response.headers["content-type"].encode())]
+            await send(
+                {"type": "http.response.start", "status": response.status, "headers": headers}
+            )
+            async for data in response.content.iter_any():
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
 # -- load: hey processes and a curl feedback stream -------------------------------------------
 
 
@@ -274,8 +309,8 @@ def run_hey(
                 phase.samples.append(
                     Sample(float(row[0]) * 1000, float(row[4]) * 1000, int(row[6]))
                 )
-    for process in side:
-        process.wait(timeout=seconds + 60)
+    for side_process in side:
+        side_process.wait(timeout=seconds + 60)
     return phase
 
 
@@ -286,7 +321,7 @@ def feedback_config(
     entries = []
     for n in range(batches):
         request_id = request_ids[n % len(request_ids)]
-        events = [
+        events: list[dict[str, Any]] = [
             {"kind": "edit_accepted", "event_id": str(uuid.uuid4())},
             {
                 "kind": "edit_survival",
@@ -378,13 +413,13 @@ def served_by_checkpoint(gateway: str) -> dict[str, float]:
     """Completions the gateway served so far, by checkpoint (from its /metrics)."""
     with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as response:
         text = response.read().decode()
-    served: dict[str, float] = collections.Counter()
+    served: collections.Counter[str] = collections.Counter()
     for line in text.splitlines():
         if line.startswith("rtrl_completions_total{"):
             labels, _, value = line.partition("} ")
             checkpoint = labels.split('checkpoint="')[1].split('"')[0]
-            served[checkpoint] += float(value)
-    return dict(served)
+            served[checkpoint] += int(float(value))
+    return {name: float(count) for name, count in served.items()}
 
 
 # -- the bench --------------------------------------------------------------------------------
@@ -396,6 +431,8 @@ class Setup:
     key: str
     root: Path
     direct: Target
+    proxy: Target
+    """A bare pass-through proxy (uvicorn and aiohttp, as the gateway): the hop's own cost."""
     gateway: Target
     users: list[str]
     request_ids: list[str]
@@ -424,13 +461,19 @@ def prepare_registry(stack: EmbeddedStack) -> str:
 
 
 def interleaved(
-    setup: Setup, *, stream: bool, rate: float, seconds: float, round_number: int, args: Any
-) -> tuple[Phase, Phase, list[float], int]:
-    """The direct and the gateway phase of one round, in alternating order; feedback is posted
-    to the gateway while it is measured."""
-    order = [setup.direct, setup.gateway]
-    if round_number % 2:
-        order.reverse()
+    setup: Setup,
+    targets: list[Target],
+    *,
+    stream: bool,
+    rate: float,
+    seconds: float,
+    round_number: int,
+    args: Any,
+) -> tuple[dict[str, Phase], list[float], int]:
+    """One phase per target, the order rotated each round; feedback is posted to the gateway
+    while it is measured."""
+    shift = round_number % len(targets)
+    order = targets[shift:] + targets[:shift]
     phases: dict[str, Phase] = {}
     feedback: tuple[list[float], int] = ([], 0)
     work = setup.root / f"round-{round_number}-{'stream' if stream else 'plain'}-{rate:g}"
@@ -453,7 +496,7 @@ def interleaved(
         )
         if side:
             feedback = read_feedback(work / "feedback.out")
-    return phases["direct"], phases["gateway"], feedback[0], feedback[1]
+    return phases, feedback[0], feedback[1]
 
 
 def added(direct: Phase, gateway: Phase, q: float, first_byte: bool = False) -> float:
@@ -461,43 +504,52 @@ def added(direct: Phase, gateway: Phase, q: float, first_byte: bool = False) -> 
 
 
 def print_rounds(
-    title: str, rounds: list[tuple[Phase, Phase]], *, first_byte: bool = False
+    title: str, rounds: list[dict[str, Phase]], *, first_byte: bool = False
 ) -> tuple[float, float]:
+    """Per round: the direct call, and what the bare proxy and the gateway add to it."""
     print(f"\n{title}")
     print(
-        f"  {'round':>5} {'direct p50':>10} {'p99':>7} {'gateway p50':>11} {'p99':>7}"
-        f" {'added p50':>9} {'p99':>7} {'req/s':>6} {'errors':>6}"
+        f"  {'round':>5} {'direct p50':>10} {'p99':>6} │ {'proxy +p50':>10} {'+p99':>6} │"
+        f" {'gateway p50':>11} {'p99':>6} {'+p50':>6} {'+p99':>6} │ {'req/s':>6} {'errors':>6}"
     )
     added50, added99 = [], []
-    for n, (direct, gateway) in enumerate(rounds, start=1):
+    for n, phases in enumerate(rounds, start=1):
+        direct, proxy, gateway = phases["direct"], phases["proxy"], phases["gateway"]
         a50, a99 = added(direct, gateway, 0.5, first_byte), added(direct, gateway, 0.99, first_byte)
         added50.append(a50)
         added99.append(a99)
         print(
             f"  {n:>5} {direct.quantile(0.5, first_byte):>10.1f}"
-            f" {direct.quantile(0.99, first_byte):>7.1f}"
+            f" {direct.quantile(0.99, first_byte):>6.1f} │"
+            f" {added(direct, proxy, 0.5, first_byte):>10.1f}"
+            f" {added(direct, proxy, 0.99, first_byte):>6.1f} │"
             f" {gateway.quantile(0.5, first_byte):>11.1f}"
-            f" {gateway.quantile(0.99, first_byte):>7.1f}"
-            f" {a50:>9.1f} {a99:>7.1f} {gateway.achieved:>6.1f}"
-            f" {direct.errors + gateway.errors:>6}"
+            f" {gateway.quantile(0.99, first_byte):>6.1f} {a50:>6.1f} {a99:>6.1f} │"
+            f" {gateway.achieved:>6.1f} {sum(p.errors for p in phases.values()):>6}"
         )
     median50, median99 = statistics.median(added50), statistics.median(added99)
-    print(f"  {'median':>5} {'':>10} {'':>7} {'':>11} {'':>7} {median50:>9.1f} {median99:>7.1f}")
+    proxy50 = statistics.median(added(r["direct"], r["proxy"], 0.5, first_byte) for r in rounds)
+    proxy99 = statistics.median(added(r["direct"], r["proxy"], 0.99, first_byte) for r in rounds)
+    print(
+        f"  {'median':>5} {'':>10} {'':>6} │ {proxy50:>10.1f} {proxy99:>6.1f} │"
+        f" {'':>11} {'':>6} {median50:>6.1f} {median99:>6.1f} │"
+    )
     return median50, median99
 
 
 def sweep(setup: Setup, rates: list[float], args: Any) -> list[tuple[float, Phase, Phase]]:
     results = []
     for n, rate in enumerate(rates):
-        direct, gateway, _, _ = interleaved(
+        phases, _, _ = interleaved(
             setup,
+            [setup.direct, setup.gateway],
             stream=False,
             rate=rate,
             seconds=args.sweep_seconds,
             round_number=100 + n,
             args=args,
         )
-        results.append((rate, direct, gateway))
+        results.append((rate, phases["direct"], phases["gateway"]))
     return results
 
 
@@ -597,24 +649,21 @@ def setup_load(stack: EmbeddedStack, key: str, root: Path, args: Any) -> Setup:
     upstream_port, gateway_port = free_port(), free_port()
     upstream = f"http://127.0.0.1:{upstream_port}"
     gateway = f"http://127.0.0.1:{gateway_port}"
+    direct_body = {
+        # The gateway always asks vLLM for logprobs and token ids; so does the direct call.
+        "model": CHECKPOINTS[0],
+        "messages": PROMPT,
+        "max_tokens": COMPLETION_TOKENS,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_token_ids": True,
+    }
     return Setup(
         stack=stack,
         key=key,
         root=root,
-        direct=Target(
-            "direct",
-            upstream,
-            (),
-            # The gateway always asks vLLM for logprobs and token ids; so does the direct call.
-            {
-                "model": CHECKPOINTS[0],
-                "messages": PROMPT,
-                "max_tokens": COMPLETION_TOKENS,
-                "logprobs": True,
-                "top_logprobs": 0,
-                "return_token_ids": True,
-            },
-        ),
+        direct=Target("direct", upstream, (), direct_body),
+        proxy=Target("proxy", f"http://127.0.0.1:{free_port()}", (), direct_body),
         gateway=Target(
             "gateway",
             gateway,
@@ -641,7 +690,12 @@ def main() -> None:
     parser.add_argument("--gateway-workers", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="py-spy the gateway at the end")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-proxy", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--proxy-upstream", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_proxy:
+        serve_bare_proxy(args.serve_proxy, args.proxy_upstream)
+        return
     if args.serve_upstream:
         serve_fixed_upstream(
             args.serve_upstream, args.delay_ms, args.stream_chunks, args.chunk_gap_ms
@@ -689,6 +743,18 @@ def main() -> None:
             )
         )
         wait_for_port("127.0.0.1", upstream_port, timeout=30, name="upstream")
+        proxy_port = int(setup.proxy.url.rsplit(":", 1)[1])
+        processes.append(
+            start_process(
+                [
+                    *(sys.executable, "-m", "bench.gateway", "--serve-proxy", str(proxy_port)),
+                    *("--proxy-upstream", setup.direct.url),
+                ],
+                {"PYTHONPATH": str(ROOT)},
+                root / "proxy.log",
+            )
+        )
+        wait_for_port("127.0.0.1", proxy_port, timeout=30, name="proxy")
         gateway_port = int(setup.gateway.url.rsplit(":", 1)[1])
         setup.gateway_process = start_gateway(
             stack, setup.direct.url, root / "gateway", gateway_port, args.gateway_workers
@@ -729,21 +795,22 @@ def report(setup: Setup, rates: list[float], args: Any) -> None:
         f"the gateway's phases; gateway workers: {args.gateway_workers}",
         flush=True,
     )
-    plain: list[tuple[Phase, Phase]] = []
-    streamed: list[tuple[Phase, Phase]] = []
+    plain: list[dict[str, Phase]] = []
+    streamed: list[dict[str, Phase]] = []
     feedback: list[float] = []
     feedback_errors = 0
     for n in range(args.rounds):
         for stream, rounds in ((False, plain), (True, streamed)):
-            direct, gateway, latencies, errors = interleaved(
+            phases, latencies, errors = interleaved(
                 setup,
+                [setup.direct, setup.proxy, setup.gateway],
                 stream=stream,
                 rate=args.rate,
                 seconds=args.seconds,
                 round_number=n,
                 args=args,
             )
-            rounds.append((direct, gateway))
+            rounds.append(phases)
             feedback += latencies
             feedback_errors += errors
         print(f"  round {n + 1} of {args.rounds} done", flush=True)

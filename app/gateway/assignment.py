@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
@@ -44,6 +45,7 @@ def fnv1a32(text: str) -> int:
     return value
 
 
+@functools.lru_cache(maxsize=65_536)
 def bucket_bps(salt: str, unit: str) -> int:
     """The unit's bucket in 0..9999 (GrowthBook v2: fnv1a32(str(fnv1a32(salt + unit))))."""
     return fnv1a32(str(fnv1a32(salt + unit))) % BUCKETS

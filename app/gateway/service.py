@@ -412,25 +412,10 @@ class Gateway:
     ) -> AsyncIterator[bytes]:
         record = CompletionRecord()
         try:
-            async for line in response.lines():
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    # Logged before the client learns the stream is complete.
-                    self._log_stream_end(call, assignment, record)
-                    yield b"data: [DONE]\n\n"
-                    continue
-                chunk = orjson.loads(payload)
-                now = time.perf_counter()
-                if "error" in chunk:
-                    record.error = str(chunk["error"].get("message", chunk["error"]))[:2000]
-                if chunk.get("prompt_token_ids") is not None:
-                    record.prompt_token_ids = chunk["prompt_token_ids"]
-                for choice in chunk.get("choices") or []:
-                    if choice.get("index", 0) == 0:
-                        record.add_choice(choice, message_key="delta", now=now)
-                yield b"data: " + orjson.dumps(self._client_view(call, chunk)) + b"\n\n"
+            async for lines in response.line_batches():
+                relayed = [self._relayed(call, assignment, record, line) for line in lines]
+                if any(relayed):
+                    yield b"".join(relayed)
         except (GeneratorExit, asyncio.CancelledError):
             record.cancelled = True
             raise
@@ -446,6 +431,28 @@ class Gateway:
             # The client may have gone: close the upstream even inside a cancelled scope.
             with anyio.CancelScope(shield=True):
                 await stack.aclose()
+
+    def _relayed(
+        self, call: ChatCall, assignment: Assignment, record: CompletionRecord, line: bytes
+    ) -> bytes:
+        """What the client gets of one upstream SSE line (folded into `record`), if anything."""
+        if not line.startswith(b"data:"):
+            return b""
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            # Logged before the client learns the stream is complete.
+            self._log_stream_end(call, assignment, record)
+            return b"data: [DONE]\n\n"
+        chunk = orjson.loads(payload)
+        now = time.perf_counter()
+        if "error" in chunk:
+            record.error = str(chunk["error"].get("message", chunk["error"]))[:2000]
+        if chunk.get("prompt_token_ids") is not None:
+            record.prompt_token_ids = chunk["prompt_token_ids"]
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) == 0:
+                record.add_choice(choice, message_key="delta", now=now)
+        return b"data: " + orjson.dumps(self._client_view(call, chunk)) + b"\n\n"
 
     def _client_view(self, call: ChatCall, data: dict[str, Any]) -> dict[str, Any]:
         """Hide the token ids and logprobs the gateway asked for but the client did not."""

@@ -184,9 +184,13 @@ class DiskSpool:
                     if not self._segments:
                         return []
                     head = self._segments[0]
-                    batch = self._read_segment(head, limit)
-                    if batch or head == self._tail_number():
-                        return batch
+                    written_to = head == self._tail_number()
+                # Read and parsed unlocked, so that appends (the request path) never wait on
+                # it: lines are appended whole, and only this thread moves the cursor.
+                batch = self._read_segment(head, limit)
+                if batch or written_to:
+                    return batch
+                with self._mutex:
                     # A finished segment that is no longer written to: move past it.
                     finished.append(self._next_segment())
         finally:
@@ -358,6 +362,15 @@ class DiskSpool:
             os.fsync(self._tail.fileno())
             self._unsynced = False
 
+    def _next_segment(self) -> int:
+        """Point the cursor past the head segment, which is now retained; returns the head."""
+        head = self._segments.pop(0)
+        self._retained[head] = self._stat(head)
+        self._cursor = Cursor(segment=self._segments[0] if self._segments else head + 1)
+        return head
+
+    # -- the reader's, without the mutex: appends never wait on these reads and fsyncs -------
+
     def _read_segment(self, number: int, limit: int) -> list[SpooledEnvelope]:
         start_offset = self._cursor.offset if number == self._cursor.segment else 0
         batch: list[SpooledEnvelope] = []
@@ -375,20 +388,12 @@ class DiskSpool:
                     envelope = Envelope.from_line(line)
                 except (orjson.JSONDecodeError, KeyError, TypeError):
                     log.error("dropping an unreadable spool line in %s at %d", segment.name, start)
-                    self._cursor.delivered.add(start)
-                    self.pending -= 1
+                    with self._mutex:
+                        self._cursor.delivered.add(start)
+                        self.pending -= 1
                     continue
                 batch.append(SpooledEnvelope(envelope, number, start, position))
         return batch
-
-    def _next_segment(self) -> int:
-        """Point the cursor past the head segment, which is now retained; returns the head."""
-        head = self._segments.pop(0)
-        self._retained[head] = self._stat(head)
-        self._cursor = Cursor(segment=self._segments[0] if self._segments else head + 1)
-        return head
-
-    # -- the reader's, without the mutex: appends never wait on these fsyncs --------------
 
     def _forget(self, finished: Sequence[int]) -> None:
         """Save the cursor, then delete what retention no longer keeps."""

@@ -60,9 +60,17 @@ class UpstreamStream:
     async def read(self) -> bytes:
         return await self.response.read()
 
-    def lines(self) -> AsyncIterator[bytes]:
-        """The body line by line (SSE), each with its line ending."""
-        return self.response.content.__aiter__()
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:
+        """The body's lines (SSE), without their endings, in batches of all those that
+        arrived together: one pass of the relay, and one write to the client, per batch
+        rather than per line."""
+        partial = b""
+        while data := await self.response.content.readany():
+            *complete, partial = (partial + data).split(b"\n")
+            if complete:
+                yield complete
+        if partial:
+            yield [partial]
 
 
 class Upstream:

@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
 from app.config import SettingsError, get_settings
 from app.db import make_engine, session_scope, upgrade_schema
@@ -43,6 +44,8 @@ keys_cli = typer.Typer(no_args_is_help=True, help="API keys.")
 cli.add_typer(keys_cli, name="keys")
 spool_cli = typer.Typer(no_args_is_help=True, help="The gateways' event spools.")
 cli.add_typer(spool_cli, name="spool")
+history_cli = typer.Typer(no_args_is_help=True, help="Archived history.")
+cli.add_typer(history_cli, name="history")
 
 
 def _print_statuses(statuses: list[ServiceStatus]) -> None:
@@ -383,6 +386,60 @@ def rewards_recompute(
     finally:
         engine.dispose()
     typer.echo(f"recomputed {changed} finalized rewards with formula version {version}")
+
+
+@cli.command("maintain")
+def maintain() -> None:
+    """Create history partitions ahead; archive to Parquet and drop days past RTRL_RETENTION."""
+    from app.history.service import maintain as maintain_history
+
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
+    try:
+        report = maintain_history(
+            engine,
+            settings.history_archive_url,
+            retention=settings.retention,
+            days_ahead=settings.partitions_ahead,
+        )
+    except OperationalError as exc:
+        raise ServiceError(f"Postgres unavailable: {exc.orig}") from None
+    except OSError as exc:
+        raise ServiceError(f"archive {settings.history_archive_url}: {exc}") from None
+    finally:
+        engine.dispose()
+    typer.echo(f"created {len(report.created)} partitions: {', '.join(report.created) or '-'}")
+    for name, rows in report.archived.items():
+        typer.echo(f"archived {rows} rows of {name}")
+    typer.echo(f"dropped {len(report.dropped)} partitions: {', '.join(report.dropped) or '-'}")
+    if settings.retention is None:
+        typer.echo("no RTRL_RETENTION: nothing archived")
+    for day in report.kept_for_training:
+        typer.echo(f"kept {day}: past the retention, but the production checkpoint trains on it")
+
+
+@history_cli.command("import")
+def history_import(
+    url: str = typer.Argument(..., help="The archive: a directory or an fsspec URL (s3://...)."),
+) -> None:
+    """Read an archive back into the database at RTRL_DATABASE_URL (migrated first)."""
+    from app.history.service import import_history
+
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
+    try:
+        upgrade_schema(settings.database_url)
+        report = import_history(engine, url)
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(f"no archive there: {exc}", param_hint="URL") from None
+    except OperationalError as exc:
+        raise ServiceError(f"Postgres unavailable: {exc.orig}") from None
+    except OSError as exc:
+        raise ServiceError(f"archive {url}: {exc}") from None
+    finally:
+        engine.dispose()
+    for table, rows in report.read.items():
+        typer.echo(f"{table}: {rows} rows read, {report.inserted[table]} new")
 
 
 @cli.command("train")

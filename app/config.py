@@ -143,6 +143,23 @@ class Settings(BaseSettings):
     """After SIGTERM, how long a gateway lets requests finish and sends its spool to Kafka
     before it exits (seconds or ISO 8601)."""
 
+    retention: timedelta | None = None
+    """How long raw history (samples, feedback, rewards) stays in Postgres: `rtrl maintain`
+    archives older days to `archive_url` and drops them (ISO 8601 such as P30D, or seconds;
+    unset keeps everything). The analytics rollups are kept whatever the retention."""
+
+    archive_url: str = ""
+    """Where archived days go as Parquet: a directory or any fsspec URL (s3://bucket/rtrl);
+    defaults to `<data_dir>/archive`."""
+
+    partitions_ahead: int = Field(default=3, ge=0, le=60)
+    """Days of partitions `rtrl maintain` creates ahead of today."""
+
+    @property
+    def history_archive_url(self) -> str:
+        """The archive's URL, the local default filled in."""
+        return self.archive_url or str(self.data_dir / "archive")
+
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:
         self.database_url = self.database_url or embedded_database_url(self.embedded_postgres_port)
@@ -198,6 +215,7 @@ class Settings(BaseSettings):
         "guardrail_interval",
         "spool_retention",
         "shutdown_drain",
+        "retention",
         mode="before",
     )
     @classmethod
@@ -217,6 +235,7 @@ class Settings(BaseSettings):
         "reward_grace",
         "reward_reopen_window",
         "guardrail_interval",
+        "retention",
     )
     @classmethod
     def _positive(cls, value: timedelta | None) -> timedelta | None:

@@ -89,12 +89,12 @@ inserted AS (
            started_at + (CASE WHEN before THEN interval '-3 days' ELSE interval '0' END)
                + random() * interval '20 hours'
     FROM requests
-    RETURNING id, latency_ms
+    RETURNING id, served_at, latency_ms
 )
-INSERT INTO rewards (sample_id, components, reward, reward_version, due_at, finalized_at,
-                     updated_at)
-SELECT id, jsonb_build_object('kept', (latency_ms - 400) / 100), (latency_ms - 400) / 100, 2,
-       now(), now(), now()
+INSERT INTO rewards (sample_id, served_at, components, reward, reward_version, due_at,
+                     finalized_at, updated_at)
+SELECT id, served_at, jsonb_build_object('kept', (latency_ms - 400) / 100),
+       (latency_ms - 400) / 100, 2, now(), now(), now()
 FROM inserted
 """
 

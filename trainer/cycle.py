@@ -35,7 +35,12 @@ from app.registry.experiments import start_canary
 from app.serving.checkpoints import publish_checkpoint, reconcile
 from app.serving.parity import CompletionBatch
 from trainer.config import TrainConfig
-from trainer.data import OnPolicyBatch, TrainingSample, select_on_policy_batch
+from trainer.data import (
+    OnPolicyBatch,
+    TrainingSample,
+    erased_since_selected,
+    select_on_policy_batch,
+)
 from trainer.distributed import SINGLE, World, share
 from trainer.drift import drift_limits, measure_drift
 from trainer.evaluate import HeldOut, HeldOutUnavailable, gate, kl_to_production, trainable_state
@@ -406,6 +411,15 @@ def judge_and_publish(
     on_published: Callable[[], None] | None,
 ) -> CycleResult:
     """Rank 0 after the update: the evaluation gate, then save, publish and start a canary."""
+    with session_scope(engine) as session:
+        erased = erased_since_selected(session, plan.samples)
+    if erased:
+        # The update learned from them: no checkpoint trained on an erased user is published.
+        reason = f"{erased} samples of the batch were erased during the cycle"
+        progress(f"run {plan.run_id}: rejected: {reason}")
+        return finish_run(
+            engine, plan.run_id, TrainingRunStatus.rejected, reason=reason, stats=stats
+        )
     candidate_pass = held_out.pass_rate(policy, tokenizer)
     kl = kl_to_production(policy, production_weights, reference)
     result = gate(

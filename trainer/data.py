@@ -5,10 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    ColumnElement,
+    DateTime,
+    bindparam,
+    exists,
+    func,
+    select,
+    text,
+)
 from sqlalchemy.orm import Session
 
-from app.models import Checkpoint, Reward, Sample
+from app.models import Checkpoint, ErasedUser, Reward, Sample
 
 
 @dataclass(frozen=True)
@@ -40,14 +50,42 @@ def withheld(percent: int) -> ColumnElement[bool]:
     return Sample.id % 100 < percent
 
 
+def not_erased() -> ColumnElement[bool]:
+    """Not served to a user before their erasure. Erasure deletes those rows; this also
+    covers one a racing writer stored."""
+    return ~exists().where(
+        ErasedUser.user_hash == Sample.user_hash, Sample.served_at <= ErasedUser.erased_at
+    )
+
+
+_STILL_STORED = text(
+    "SELECT count(*) FROM unnest(:ids, :served) AS b(id, served_at) "
+    "WHERE EXISTS (SELECT FROM samples s WHERE s.id = b.id AND s.served_at = b.served_at)"
+).bindparams(
+    bindparam("ids", type_=ARRAY(BigInteger)),
+    bindparam("served", type_=ARRAY(DateTime(timezone=True))),
+)
+
+
+def erased_since_selected(session: Session, samples: list[TrainingSample]) -> int:
+    """How many of a batch's samples were erased (deleted) since the batch was selected."""
+    if not samples:
+        return 0
+    stored = session.execute(
+        _STILL_STORED,
+        {"ids": [s.sample_id for s in samples], "served": [s.served_at for s in samples]},
+    ).scalar_one()
+    return len(samples) - int(stored)
+
+
 def select_on_policy_batch(
     session: Session, production: Checkpoint, *, max_samples: int, withheld_percent: int = 0
 ) -> OnPolicyBatch:
     """The newest samples the production checkpoint served, with finalized rewards.
 
     Only samples that checkpoint generated are on-policy for it; privacy-mode and
-    untrainable samples, those without logged tokens, and the slice the evaluation gate
-    holds out (`withheld_percent`) are never trained on.
+    untrainable samples, those without logged tokens, the slice the evaluation gate holds
+    out (`withheld_percent`) and erased users' samples are never trained on.
     """
     since = production.published_at or production.created_at
     rows = session.execute(
@@ -72,6 +110,7 @@ def select_on_policy_batch(
             func.cardinality(Sample.completion_token_ids) > 0,
             func.cardinality(Sample.prompt_token_ids) > 0,
             ~withheld(withheld_percent),
+            not_erased(),
         )
         .order_by(Sample.served_at.desc(), Sample.id.desc())  # one order: a seed repeats a run
         .limit(max_samples)

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from app.db import session_scope
 from app.models import Reward, Sample
 from app.serving.parity import CompletionBatch, completion_batch, completion_logprobs
-from trainer.data import withheld
+from trainer.data import not_erased, withheld
 from trainer.evaluate import HeldOutUnavailable
 
 REFERENCE_TOKENS = 64
@@ -45,6 +45,7 @@ def held_out_completions(
             .join(Reward, Reward.sample_id == Sample.id)
             .where(
                 withheld(percent),
+                not_erased(),
                 Sample.trainable.is_(True),
                 Sample.privacy.is_(False),
                 Sample.status == "ok",

@@ -219,7 +219,7 @@ def _insert_new(table: Table, columns: tuple[str, ...]) -> Insert:
 def _upsert_open_rewards(columns: tuple[str, ...]) -> Insert:
     statement = bulk_insert(rewards, columns)
     return statement.on_conflict_do_update(
-        index_elements=[rewards.c.sample_id],
+        index_elements=[rewards.c.sample_id, rewards.c.served_at],
         set_={name: statement.excluded[name] for name in columns if name != "sample_id"}
         | {"updated_at": func.now()},
         where=rewards.c.finalized_at.is_(None),
@@ -367,7 +367,10 @@ def reopen_rewards(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         return
     conn.execute(
         update(rewards)
-        .where(rewards.c.sample_id == bindparam("b_sample_id"))
+        .where(
+            rewards.c.sample_id == bindparam("b_sample_id"),
+            rewards.c.served_at == bindparam("b_served_at"),
+        )
         .values(
             components=bindparam("b_components"),
             reward=bindparam("b_reward"),

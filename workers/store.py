@@ -22,6 +22,7 @@ from app.events import (
     FollowupMessage,
     SessionEnd,
 )
+from app.history.erasure import hold_off_erasure, without_erased
 from app.signals.followup import is_dissatisfied
 from app.signals.rewards import (
     Feedback,
@@ -159,7 +160,12 @@ def store_events(
     *,
     now: datetime,
 ) -> int:
-    """Write a batch's samples and feedback, then refresh every reward the new ones touch."""
+    """Write a batch's samples and feedback, then refresh every reward the new ones touch.
+
+    Events of erased users (still in Kafka, redelivered) are skipped, never stored again.
+    """
+    hold_off_erasure(conn)
+    sample_rows, feedback_rows = without_erased(conn, sample_rows, feedback_rows)
     new_requests = insert_samples(conn, sample_rows)
     new_feedback = insert_feedback(conn, feedback_rows)
     scrub_private_followups(
@@ -291,6 +297,7 @@ def reward_row(
         reason = None
     return {
         "sample_id": sample.id,
+        "served_at": sample.served_at,
         "components": components.model_dump(mode="json"),
         "reward": compute_reward(components, config.reward_version) if reason else None,
         "reward_version": config.reward_version,

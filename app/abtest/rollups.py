@@ -297,3 +297,88 @@ def quantile_bucket(histogram: Sequence[tuple[int, int]], fraction: float) -> in
 def bucket_of(latency_ms: float) -> int:
     """The histogram bucket of a latency, as the rollup SQL computes it."""
     return math.floor(math.log(max(latency_ms, 1.0)) / math.log(BUCKET_GROWTH))
+
+
+# A user's counted part of every sum, negated: each sample created before the watermark
+# counted its request; its reward counted what `rolled_up_rewards` holds.
+_FORGET = f"""
+CREATE TEMP TABLE rollup_delta ON COMMIT DROP AS
+SELECT s.id AS sample_id, s.served_at, s.checkpoint, s.experiment_id, s.arm, s.user_hash,
+       {_BUCKET} AS bucket, {_USER_GROUP} AS user_group,
+       -1 AS requests,
+       -(s.fallback::int) AS fallback_requests,
+       -((s.status = 'error')::int) AS errors,
+       -(s.edit_requested::int) AS edits_requested,
+       -((s.edit_requested AND s.proposed_edit)::int) AS edits_proposed,
+       -((s.tool_calls > 0)::int) AS tool_call_responses,
+       -((s.tool_calls > 0 AND s.malformed_tool_calls > 0)::int) AS malformed_responses,
+       -s.latency_ms AS latency_sum,
+       -(s.latency_ms ^ 2) AS latency_sumsq,
+       -((l.sample_id IS NOT NULL)::int) AS final_rewards,
+       -coalesce(l.over_budget::int, 0) AS over_budget,
+       -((l.accepted IS NOT NULL)::int) AS accept_observed,
+       -coalesce(l.accepted::int, 0) AS accepted,
+       -((l.dissatisfied IS NOT NULL)::int) AS dissatisfied_observed,
+       -coalesce(l.dissatisfied::int, 0) AS dissatisfied,
+       -((l.kept IS NOT NULL)::int) AS kept_n,
+       -coalesce(l.kept, 0) AS kept_sum,
+       -coalesce(l.kept ^ 2, 0) AS kept_sumsq,
+       -((l.reward IS NOT NULL)::int) AS reward_n,
+       -coalesce(l.reward, 0) AS reward_sum,
+       -coalesce(l.reward ^ 2, 0) AS reward_sumsq
+FROM samples s LEFT JOIN rolled_up_rewards l ON l.sample_id = s.id
+WHERE s.user_hash = :user_hash AND s.created_at < :until
+"""
+
+
+def _subtract_counts(table: str, keys: dict[str, str]) -> str:
+    """Take the delta's requests, grouped by `keys`, out of a histogram `table`."""
+    selected = ", ".join(f"{expression} AS {name}" for name, expression in keys.items())
+    matched = " AND ".join(f"{table}.{name} = d.{name}" for name in keys)
+    return (
+        f"UPDATE {table} SET requests = {table}.requests - d.n FROM (SELECT {selected}, "
+        f"count(*) AS n FROM rollup_delta WHERE {_IN_EXPERIMENT} "
+        f"GROUP BY {', '.join(str(i + 1) for i in range(len(keys)))}) d WHERE {matched}"
+    )
+
+
+FORGET_DELTA = (
+    APPLY_DELTA[0],  # hourly_rollups: the delta's (negative) sums added
+    _subtract_counts("experiment_latency", {**_EXPERIMENT_KEYS, "day": _DAY, "bucket": "bucket"}),
+    _subtract_counts(
+        "experiment_latency_groups",
+        {
+            **_EXPERIMENT_KEYS,
+            "day": _DAY,
+            "user_group": "user_group",
+            "bucket": f"floor(bucket::float8 / {GROUP_BUCKET})::int",
+        },
+    ),
+    "DELETE FROM rolled_up_rewards l USING rollup_delta d WHERE l.sample_id = d.sample_id",
+    # An hour or bucket left with no request is one no sample ever reached.
+    "DELETE FROM hourly_rollups WHERE requests = 0",
+    "DELETE FROM experiment_latency WHERE requests = 0",
+    "DELETE FROM experiment_latency_groups WHERE requests = 0",
+)
+USER_TABLES = ("experiment_users", "experiment_user_days", "user_days")
+
+
+def forget_user(conn: Connection, user_hash: str) -> None:
+    """Take a user out of the rollups before their samples are deleted: their rows in the
+    per-user tables go, and what their samples still in Postgres added to the hourly trends
+    and latency histograms is subtracted. Waits for a refresh in progress."""
+    conn.execute(text("SELECT pg_advisory_xact_lock(:namespace, :key)"), REFRESH_LOCK)
+    for table in USER_TABLES:
+        conn.execute(
+            text(f"DELETE FROM {table} WHERE user_hash = :user_hash"), {"user_hash": user_hash}
+        )
+    until = conn.execute(
+        text("SELECT watermark FROM rollup_state WHERE name = :name"), {"name": ROLLUP}
+    ).scalar_one_or_none()
+    if until is None:
+        return
+    conn.execute(text("DROP TABLE IF EXISTS pg_temp.rollup_delta"))
+    conn.execute(text(_FORGET), {"user_hash": user_hash, "until": until})
+    for statement in FORGET_DELTA:
+        conn.execute(text(statement))
+    conn.execute(text("DROP TABLE rollup_delta"))

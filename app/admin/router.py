@@ -12,6 +12,8 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import asdict
+from datetime import UTC, datetime
 from typing import Annotated
 
 import anyio
@@ -34,17 +36,22 @@ from app.admin.schemas import (
     Reason,
     TrainingRunOut,
     TrainingState,
+    UserErased,
+    UserErasure,
 )
 from app.auth import keys
 from app.auth.schemas import ApiKeyCreate, Principal
 from app.auth.service import Authenticator
 from app.auth.sessions import BrowserSessions
 from app.db import async_session_scope
+from app.gateway.assignment import hash_user
+from app.history import erasure as history_erasure
+from app.history.archive import Archive
 from app.http.dependencies import require_role
 from app.http.errors import ApiError, ErrorType
 from app.models import Checkpoint, CheckpointStatus, Experiment, ExperimentStatus, Role
 from app.registry import checkpoints, experiments, flags
-from app.registry.audit import Actor, RegistryError, audit_entries, audit_of
+from app.registry.audit import Actor, RegistryError, audit, audit_entries, audit_of
 from app.registry.routing import notify_routing_changed
 from app.registry.schedule import next_cycle_at
 from app.registry.schemas import NAME, ExperimentCreate
@@ -462,3 +469,38 @@ async def audit_log(
     async with reading(request) as session:
         entries = await session.run_sync(audit_entries, target, action, limit)
     return [Change.model_validate(entry) for entry in entries]
+
+
+# -- users ---------------------------------------------------------------------------------
+
+
+@router.post("/users/erase", response_model=UserErased)
+async def erase_user(request: Request, principal: Ops, body: UserErasure) -> UserErased:
+    """Erase a user's samples, feedback and rewards from Postgres and the archive, take them
+    out of the rollups, and keep their redelivered events and running training cycles from
+    bringing them back."""
+    settings = request.app.state.settings
+    user_hash = hash_user(settings.user_hash_secret.get_secret_value(), body.user_id)
+    now = datetime.now(UTC)
+    try:
+        archive = Archive.at(settings.history_archive_url)
+        async with change(request, routing=False) as session:
+            erased = await history_erasure.erase_user(session, archive, user_hash, now=now)
+            entry = audit(
+                session,
+                actor_of(principal),
+                "erase_user",
+                f"user:{user_hash}",
+                None,
+                {**asdict(erased), "reason": body.reason},
+            )
+            await session.flush()
+    except OSError as exc:
+        raise ApiError(
+            503,
+            f"The archive cannot be rewritten, so nothing was erased: {exc}",
+            type="service_unavailable",
+            code="archive_unavailable",
+            headers={"Retry-After": "60"},
+        ) from None
+    return UserErased(user_hash=user_hash, erased_at=now, audit_id=entry.id, **asdict(erased))

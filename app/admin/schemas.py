@@ -140,3 +140,28 @@ class CheckpointDetail(CheckpointOut):
     experiments: list[ExperimentOut]
     audit: list[Change]
     """Changes to it and to its experiments, newest first (who stopped them, and why)."""
+
+
+class UserErasure(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user_id: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$")
+    """The user id as the IDE sends it (`X-User-Id`, or the API key's id when it sends
+    none); hashed here exactly as the gateway hashes it."""
+    reason: str | None = Field(default=None, max_length=500)
+    """Why, for the audit log."""
+
+
+class UserErased(BaseModel):
+    """What an erasure removed; the audit entry records the same."""
+
+    user_hash: str
+    erased_at: datetime
+    samples: int
+    feedback_events: int
+    rewards: int
+    archived_samples: int
+    archived_feedback_events: int
+    archived_rewards: int
+    archive_files_rewritten: int
+    audit_id: int

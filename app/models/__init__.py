@@ -4,6 +4,7 @@ from app.models.api_key import ApiKey, Role
 from app.models.audit import Alert, AuditEntry, ControlFlag
 from app.models.base import Base
 from app.models.checkpoint import LIVE_STATUSES, Checkpoint, CheckpointStatus
+from app.models.erasure import ErasedSession, ErasedUser
 from app.models.experiment import Arm, Experiment, ExperimentStatus
 from app.models.feedback import FeedbackEventRow, FeedbackKind
 from app.models.reward import Reward
@@ -36,6 +37,8 @@ __all__ = [
     "CheckpointStatus",
     "ControlFlag",
     "CycleTrigger",
+    "ErasedSession",
+    "ErasedUser",
     "Experiment",
     "ExperimentLatency",
     "ExperimentLatencyGroup",

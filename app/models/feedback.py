@@ -4,7 +4,19 @@ import enum
 import uuid
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Enum, Float, Index, String, Text, func
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Enum,
+    Float,
+    Index,
+    PrimaryKeyConstraint,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -20,16 +32,23 @@ class FeedbackKind(enum.StrEnum):
 
 
 class FeedbackEventRow(Base):
-    """An IDE signal about a completion; may arrive before the completion itself."""
+    """An IDE signal about a completion; may arrive before the completion itself.
+
+    Partitioned by day of `occurred_at`, the event's own time: it travels in the event, so
+    every delivery of it lands on (and conflicts in) the same partition.
+    """
 
     __tablename__ = "feedback_events"
     __table_args__ = (
+        PrimaryKeyConstraint("id", "occurred_at"),
+        UniqueConstraint("event_id", "occurred_at", name="uq_feedback_events_event_id"),
         Index("ix_feedback_events_request_id", "request_id"),
         Index("ix_feedback_events_session_occurred_at", "session_id", "occurred_at"),
+        {"postgresql_partition_by": "RANGE (occurred_at)"},
     )
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False, unique=True)
+    id: Mapped[int] = mapped_column(BigInteger, autoincrement=True)
+    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
     request_id: Mapped[str] = mapped_column(String(128), nullable=False)
     session_id: Mapped[str] = mapped_column(String(128), nullable=False)
     kind: Mapped[FeedbackKind] = mapped_column(

@@ -11,8 +11,10 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    PrimaryKeyConstraint,
     String,
     Text,
+    UniqueConstraint,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
@@ -21,22 +23,33 @@ from app.models.base import Base, CreatedAt
 
 
 class Sample(CreatedAt, Base):
-    """One served completion: what the policy saw, produced and how fast."""
+    """One served completion: what the policy saw, produced and how fast.
+
+    Partitioned by day of `served_at` (`app.history.partitions`): every key includes it, and
+    it is the same for every delivery of the completion's event, so a redelivery still
+    conflicts with the row it already made.
+    """
 
     __tablename__ = "samples"
     __table_args__ = (
+        PrimaryKeyConstraint("id", "served_at"),
+        UniqueConstraint("event_id", "served_at", name="uq_samples_event_id"),
+        UniqueConstraint("request_id", "served_at", name="uq_samples_request_id"),
         Index("ix_samples_checkpoint_served_at", "checkpoint", "served_at"),
         Index("ix_samples_experiment_arm_served_at", "experiment_id", "arm", "served_at"),
         Index("ix_samples_session_served_at", "session_id", "served_at"),
         Index("ix_samples_trajectory_turn", "trajectory_id", "turn_index"),
+        # Erasure finds a user's samples without reading every partition.
+        Index("ix_samples_user_hash", "user_hash"),
         # Block-range indexes for the analytics rollup: which hours changed, and their rows.
         Index("ix_samples_created_at_brin", "created_at", postgresql_using="brin"),
         Index("ix_samples_served_at_brin", "served_at", postgresql_using="brin"),
+        {"postgresql_partition_by": "RANGE (served_at)"},
     )
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False, unique=True)
-    request_id: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    id: Mapped[int] = mapped_column(BigInteger, autoincrement=True)
+    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
+    request_id: Mapped[str] = mapped_column(String(128), nullable=False)
     session_id: Mapped[str] = mapped_column(String(128), nullable=False)
     user_hash: Mapped[str] = mapped_column(String(64), nullable=False)
     api_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))

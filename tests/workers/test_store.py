@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import Connection, select
 
 from app.events import CompletionEvent
+from app.history.erasure import erase_in_database, user_history
 from app.signals.rewards import compute_reward, distil_components
 from workers.config import WorkerConfig
 from workers.repository import feedback_events, rewards, samples, unstorable
@@ -280,3 +281,26 @@ def test_a_kept_edit_on_the_third_turn_credits_the_runs_earlier_turns(
 
     credited = [reward_of(conn, events.request(n)).reward for n in (1, 2, 3)]
     assert credited == pytest.approx([0.81, 0.9, 1.0])
+
+
+def test_an_erased_users_events_still_in_kafka_are_not_stored_again(
+    conn: Connection, events: Any
+) -> None:
+    served = [events.completion(1), events.accepted(1), events.survival(1, 120, 0.75)]
+    early = events.accepted(2)  # arrives before its completion, which Kafka still holds
+    store(conn, *served, early)
+    user = served[0].user_hash
+    erase_in_database(conn, user, user_history(conn, user), now=datetime.now(UTC))
+    # Feedback names no user: the early event waits for its completion to be recognised.
+    assert counts(conn, events.prefix) == (0, 1, 0)
+
+    store(conn, *served)  # redelivered after a rebalance
+    store(conn, events.followup(1, "still broken"))  # later feedback on the erased session
+    store(conn, events.completion(2))  # served before the erasure, delivered after it
+    store(conn, events.session_end(2))
+    assert counts(conn, events.prefix) == (0, 0, 0)
+
+    # What the gateway serves the user after the erasure is stored as usual.
+    after = events.completion(3, occurred_at=datetime.now(UTC) + timedelta(seconds=1))
+    store(conn, after, events.accepted(3))
+    assert counts(conn, events.prefix) == (1, 1, 1)

@@ -1,0 +1,1 @@
+"""The history's lifecycle: daily partitions, retention to a Parquet archive, erasure."""

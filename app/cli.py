@@ -119,6 +119,11 @@ def model_bootstrap(
         f"{report.heldout_pass_greedy:.2f} greedy, {report.heldout_pass_sampled:.2f} sampled"
         + ("" if report.skipped else f"; built in {report.wall_seconds:.0f} s")
     )
+    if report.agent_first_turn_sampled:
+        shares = ", ".join(
+            f"{kind} {share:.0%}" for kind, share in report.agent_first_turn_sampled.items()
+        )
+        typer.echo(f"first turns of held-out agent tasks (sampled): {shares}")
 
 
 @cli.command("serve")

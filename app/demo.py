@@ -350,7 +350,12 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
                 " call costs nothing, a clarifying question scores 0.5, above a failed edit (-0.5)"
             )
         for cycle in range(1, config.cycles + 1):
-            if hacking and records and records[-1].alerts and settings.reward_version != 3:
+            if (
+                hacking
+                and records
+                and records[-1].alerts
+                and settings.reward_version != LATEST_REWARD_VERSION
+            ):
                 settings = fix_reward(engine, stack, settings, LATEST_REWARD_VERSION, progress)
             record = run_one_cycle(engine, settings, stack, ops, keys, config, cycle, progress)
             records.append(record)

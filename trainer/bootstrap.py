@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -39,6 +40,7 @@ from app.agent_tasks import (
     AgentTask,
     Workspace,
     agent_task,
+    agent_tasks,
     tool_call,
 )
 from app.tasks import (
@@ -187,6 +189,9 @@ class BootstrapReport:
     heldout_pass_sampled_by_operation: dict[str, float] = field(default_factory=dict)
     habit_share_sampled: dict[str, float] = field(default_factory=dict)
     """Per habit operation: share of sampled held-out answers that wrote the habit."""
+    agent_first_turn_sampled: dict[str, float] = field(default_factory=dict)
+    """Sampled first turns of held-out agent tasks, by kind: a well-formed `call`, a
+    `malformed` call, a clarifying `question`, or `other`."""
 
 
 def bootstrap_model(
@@ -224,6 +229,10 @@ def _bootstrap(output_dir: Path, config: BootstrapConfig) -> BootstrapReport:
     greedy = evaluate(model, tokenizer, tasks, config, sample=False)
     torch.manual_seed(config.seed)
     sampled = evaluate(model, tokenizer, tasks, config, sample=True)
+    torch.manual_seed(config.seed)
+    first_turns = evaluate_first_turns(
+        model, tokenizer, agent_tasks(config.seed, config.eval_tasks, "heldout")
+    )
     report = BootstrapReport(
         output_dir=output_dir,
         heldout_pass_greedy=greedy.pass_rate,
@@ -235,6 +244,7 @@ def _bootstrap(output_dir: Path, config: BootstrapConfig) -> BootstrapReport:
         parameters=parameters,
         heldout_pass_sampled_by_operation=sampled.pass_rate_by_operation,
         habit_share_sampled=sampled.habit_share,
+        agent_first_turn_sampled=first_turns,
     )
     _save(output_dir, model, tokenizer, config, report)
     return report
@@ -442,30 +452,23 @@ def encode_example(
     """The token ids of a rendered conversation, and which of them the assistant wrote.
 
     Rendered and tokenized whole, as vLLM renders a request, so a run's tokens are the ones
-    the model will be served; each assistant message is located by rendering the
-    conversation up to it (the template renders every message on its own)."""
-    messages = list(example.messages)
-    tools: list[Any] | None = list(example.tools) or None
-
-    def render(upto: int, prompt: bool) -> str:
-        text = tokenizer.apply_chat_template(
-            messages[:upto], tools=tools, add_generation_prompt=prompt, tokenize=False
-        )
-        assert isinstance(text, str)
-        return text
-
-    spans = [
-        (len(render(index, True)), len(render(index + 1, False)))
-        for index, message in enumerate(messages)
-        if message["role"] == "assistant"
-    ]
-    encoding = tokenizer(
-        render(len(messages), False), add_special_tokens=False, return_offsets_mapping=True
+    the model will be served; the assistant wrote what follows each `<|assistant|>` up to
+    and including its end token (the template renders every message that way)."""
+    rendered = tokenizer.apply_chat_template(
+        list(example.messages), tools=list(example.tools) or None, tokenize=False
     )
-    learned = [
-        any(start <= begin < end for start, end in spans) for begin, _ in encoding["offset_mapping"]
-    ]
-    return list(encoding["input_ids"]), learned
+    assert isinstance(rendered, str)
+    encoding = tokenizer(rendered, add_special_tokens=False)
+    ids: list[int] = encoding["input_ids"]
+    opens, ends = tokenizer.get_vocab()[ROLE_TOKENS["assistant"]], tokenizer.eos_token_id
+    learned, inside = [], False
+    for token in ids:
+        learned.append(inside)
+        if token == opens:
+            inside = True
+        elif token == ends:
+            inside = False
+    return ids, learned
 
 
 def learning_rate_at(step: int, config: BootstrapConfig) -> float:
@@ -487,6 +490,7 @@ def pretrain(
     input_ids, attention_mask, labels = encode_corpus(tokenizer, corpus)
     generator = torch.Generator().manual_seed(config.seed)
     lengths = attention_mask.sum(dim=1)
+    tokens_per_batch = float((labels[:, 1:] != -100).sum()) / len(corpus) * config.batch_size
 
     def batches() -> Iterator[torch.Tensor]:
         # Batches of similar lengths (one-turn answers are short, agent runs long), so
@@ -513,16 +517,26 @@ def pretrain(
         width = int(attention_mask[batch].sum(dim=1).max())
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, config)
-        loss = model(
-            input_ids=input_ids[batch, :width],
-            attention_mask=attention_mask[batch, :width],
-            labels=labels[batch, :width],
-        ).loss
+        logits = model(
+            input_ids=input_ids[batch, :width], attention_mask=attention_mask[batch, :width]
+        ).logits
+        targets = labels[batch, 1:width]
+        token_losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        # Divided by the corpus' mean labelled tokens per batch, not this batch's count:
+        # batches of similar lengths differ in size, and a per-batch mean would weigh the
+        # tokens of short examples (questions, one-turn answers) several times over.
+        loss = token_losses / tokens_per_batch
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        recent_losses = [*recent_losses[-(config.log_every - 1) :], loss.item()]
+        mean_loss = token_losses.item() / max(int((targets != -100).sum()), 1)
+        recent_losses = [*recent_losses[-(config.log_every - 1) :], mean_loss]
         if (step + 1) % config.log_every == 0 or step + 1 == config.train_steps:
             logger.info(
                 "bootstrap step %d/%d loss %.4f lr %.2e elapsed %.0fs",
@@ -575,6 +589,40 @@ def evaluate(
         pass_rate_by_operation={name: _share(passed[name]) for name in sorted(passed)},
         habit_share={name: _share(habit_written[name]) for name in sorted(habit_written)},
     )
+
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def first_turn_kind(task: AgentTask, answer: str) -> str:
+    """What an agent's first answer is: a well-formed `call`, a `malformed` one (unreadable,
+    unknown tool, missing argument), a clarifying `question`, or `other`."""
+    found = _CALL.search(answer)
+    if found is None:
+        if "<tool_call>" in answer:
+            return "malformed"
+        return "question" if answer.rstrip().endswith(("?", "？")) else "other"
+    try:
+        call = json.loads(found.group(1))
+        name, arguments = call["name"], json.dumps(call["arguments"])
+    except (ValueError, KeyError, TypeError):
+        return "malformed"
+    _, well_formed = Workspace.for_task(task).run(task, name, arguments)
+    return "call" if well_formed else "malformed"
+
+
+def evaluate_first_turns(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, tasks: list[AgentTask]
+) -> dict[str, float]:
+    """Shares of each kind of sampled first turn on agent tasks (see `first_turn_kind`)."""
+    answers = generate_answers(
+        model, tokenizer, [t.request for t in tasks], sample=True, max_new_tokens=96, tools=TOOLS
+    )
+    kinds = [first_turn_kind(task, answer) for task, answer in zip(tasks, answers, strict=True)]
+    return {
+        kind: _share([k == kind for k in kinds])
+        for kind in ("call", "malformed", "question", "other")
+    }
 
 
 def _habit_task(task: Task) -> Task:

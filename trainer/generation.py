@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerFast, request: str) -> list[int]:
-    """Token ids of a one-turn chat prompt, ending where the assistant's answer starts."""
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerFast, request: str, tools: list[Any] | None = None
+) -> list[int]:
+    """Token ids of a one-turn chat prompt (with the declared tools, if any), ending where
+    the assistant's answer starts."""
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": request}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": request}],
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert isinstance(rendered, str)
     return tokenizer.encode(rendered, add_special_tokens=False)
@@ -24,6 +32,7 @@ def generate_answers(
     sample: bool,
     max_new_tokens: int,
     batch_size: int = 64,
+    tools: list[Any] | None = None,
 ) -> list[str]:
     """The model's answers to one-turn chat requests, greedy or sampled at temperature 1."""
     assert tokenizer.pad_token_id is not None
@@ -39,7 +48,8 @@ def generate_answers(
     answers = []
     for start in range(0, len(requests), batch_size):
         prompts = [
-            prompt_ids(tokenizer, request) for request in requests[start : start + batch_size]
+            prompt_ids(tokenizer, request, tools)
+            for request in requests[start : start + batch_size]
         ]
         width = max(len(ids) for ids in prompts)
         # Left padding, so every answer continues right after its prompt.

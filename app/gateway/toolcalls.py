@@ -53,7 +53,7 @@ class ToolSchemas:
         for call in tool_calls:
             function = call.get("function") or {}
             name = function.get("name")
-            if _EDIT_TOOL.search(str(name or "")):
+            if is_edit_tool(name):
                 edits += 1
             if not self._valid(name, function.get("arguments")):
                 malformed += 1
@@ -94,6 +94,11 @@ def _compile(parameters: dict[str, Any] | None) -> Validator | None:
         return None
     validator: Validator = cls(parameters)
     return validator
+
+
+def is_edit_tool(name: object) -> bool:
+    """Whether a tool's name says it writes to the user's files."""
+    return _EDIT_TOOL.search(str(name or "")) is not None
 
 
 def has_code_block(text: str) -> bool:

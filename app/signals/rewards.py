@@ -102,6 +102,10 @@ class RewardWeights(BaseModel):
     """Agent runs: a turn earns the outcome (kept share, follow-up verdict) of the next edit
     of its run, discounted per turn between them (AReaL's turn discount); None: each
     completion is judged alone."""
+    after_last_edit: Literal["own", "shared"] = "own"
+    """Agent runs: what the turns after a run's last edit (its final answer) earn — their
+    own outcome, which blames an answer that reports a finished edit as "asked for an edit
+    and proposed none", or the last edit's, discounted per turn after it."""
 
 
 # Formula 2: latency from time to first token and per output token, so a long, correct edit
@@ -126,6 +130,7 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
         error_penalty=0.5,
         question_score=0.5,
         turn_discount=0.9,
+        after_last_edit="shared",
     ),
     1: RewardWeights(
         kept_weight=1.0,
@@ -138,6 +143,10 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
     # Formula 2 with credit across an agent run's turns: the read and test turns that led to
     # a kept edit share in it instead of counting as rejections.
     3: _FORMULA_2.model_copy(update={"turn_discount": 0.9}),
+    # Formula 3, and a run's final answer after its last edit shares that edit's outcome:
+    # under 3 it scored 0 whatever became of the edit, which teaches an agent to keep
+    # calling tools instead of finishing.
+    4: _FORMULA_2.model_copy(update={"turn_discount": 0.9, "after_last_edit": "shared"}),
 }
 LATEST_REWARD_VERSION = max(REWARD_VERSIONS)
 
@@ -331,7 +340,7 @@ def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float |
 
     With a turn discount, a turn's outcome is that of the next turn at or after it that made
     an edit (kept share, follow-up verdict), discounted once per turn between them; turns
-    after the last edit keep their own. Each turn still pays for its own conduct (latency,
+    after the last edit keep their own, or share the last edit's (`after_last_edit`). Each turn still pays for its own conduct (latency,
     malformed tool calls, errors). An edit whose fate is unknown leaves the turns that led
     to it without a reward too.
     """
@@ -339,16 +348,16 @@ def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float |
     if weights.turn_discount is None:
         return [compute_reward(turn, version) for turn in turns]
     rewards: list[float | None] = []
+    edits = [k for k, turn in enumerate(turns) if _made_edit(turn)]
     for index, turn in enumerate(turns):
-        edit = next(
-            (k for k in range(index, len(turns)) if _made_edit(turns[k])),
-            index,
-        )
+        edit = next((k for k in edits if k >= index), index)
+        if edit == index and not _made_edit(turn) and weights.after_last_edit == "shared":
+            edit = max((k for k in edits if k < index), default=index)
         outcome_turn = turns[edit]
         if outcome_turn.kept_unknown:
             rewards.append(None)
             continue
-        discount = weights.turn_discount ** (edit - index)
+        discount = weights.turn_discount ** abs(edit - index)
         rewards.append(discount * _outcome(outcome_turn, weights) - _conduct(turn, weights))
     return rewards
 

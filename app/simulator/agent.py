@@ -14,13 +14,15 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from app.agent_tasks import TOOLS, AgentTask, Workspace
-from app.gateway.toolcalls import unread_tool_calls
+from app.events import EditRejected
+from app.gateway.toolcalls import is_edit_tool, unread_tool_calls
 from app.simulator.gateway import GatewayClient
 from app.simulator.population import Developer
-from app.simulator.reactions import due_after_s, feedback_events, react
+from app.simulator.reactions import Feedback, due_after_s, feedback_events, react
 from app.simulator.report import AgentRun, ServedRequest, SimulationReport
 from app.simulator.session import DeveloperSession
 from app.tasks import format_response
@@ -64,6 +66,10 @@ class AgentSession(DeveloperSession):
         workspace = Workspace.for_task(task)
         messages: list[dict[str, Any]] = [{"role": "user", "content": task.request}]
         turns: list[str] = []
+        applied: list[str] = []
+        """Turns whose edit changed the file: the run's diff the developer judges."""
+        not_applied: list[str] = []
+        """Turns that called an edit tool the workspace could not apply."""
         checkpoint, latency_s, final_text = "", 0.0, ""
         malformed = calls = 0
         clarifying = False
@@ -87,19 +93,30 @@ class AgentSession(DeveloperSession):
                 final_text = answer.text
                 clarifying = turn == 0 and not unread and answer.text.rstrip().endswith(("?", "？"))
                 break
+            edits_before = workspace.edits
+            edit_called = False
             for call in answer.tool_calls:
                 function = call.get("function") or {}
+                edit_called |= is_edit_tool(function.get("name"))
                 result, well_formed = workspace.run(
                     task, function.get("name"), function.get("arguments")
                 )
                 malformed += not well_formed
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            if workspace.edits > edits_before:
+                applied.append(request_id)
+            elif edit_called:
+                not_applied.append(request_id)
         if not turns:
             return None
         # What the developer sees: the file the run left behind, or the final answer.
         shown = format_response(workspace.final_code(task)) if workspace.edits else final_text
         reaction = react(task.task, shown, latency_s, self.developer, self.rng)
-        last = turns[-1]
+        # The IDE reports the developer's verdict on the run's diff (accept or reject, then
+        # how much of it survives) on every turn whose edit is part of it, the follow-up on
+        # the last of them (or on the final answer when nothing was edited), and an edit the
+        # workspace could not apply as rejected: each edit turn's fate is known.
+        judged = applied or [turns[-1]]
         for request_id in turns:
             self.report.record_served(
                 ServedRequest(
@@ -109,15 +126,20 @@ class AgentSession(DeveloperSession):
                     task_id=task.task_id,
                     checkpoint=checkpoint,
                     latency_s=latency_s,
-                    proposed_edit=request_id == last and reaction.proposed_edit,
-                    accepted=reaction.accepted if request_id == last else None,
+                    proposed_edit=request_id in applied,
+                    accepted=reaction.accepted if request_id in judged else None,
                 )
             )
         answered_at = time.monotonic()
-        self.last_request_id = last
-        events = feedback_events(reaction, self.session_id, last)
+        self.last_request_id = turns[-1]
+        events: list[Feedback] = [
+            EditRejected(session_id=self.session_id, request_id=r) for r in not_applied
+        ]
+        for request_id in judged:
+            verdict = replace(reaction, followup=None) if request_id != judged[-1] else reaction
+            events += feedback_events(verdict, self.session_id, request_id)
         immediate = [event for event in events if due_after_s(event) == 0]
-        later = [event for event in events if due_after_s(event) > 0]
+        later = sorted((event for event in events if due_after_s(event) > 0), key=due_after_s)
         if immediate:
             await self.gateway.send_feedback(self.developer, immediate)
         if later:

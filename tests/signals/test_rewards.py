@@ -252,7 +252,9 @@ def test_version_2_charges_slow_tokens_not_long_answers() -> None:
 
 
 def test_unknown_version_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown reward version 99; known versions: 0, 1, 2, 3"):
+    with pytest.raises(
+        ValueError, match=r"unknown reward version 99; known versions: 0, 1, 2, 3, 4"
+    ):
         compute_reward(distil([]), 99)
     assert LATEST_REWARD_VERSION in REWARD_VERSIONS
 
@@ -325,6 +327,13 @@ def test_a_run_is_credited_by_its_next_edit_and_unknown_stays_unknown() -> None:
     assert run_rewards([read, rejected_edit, kept_edit, done], 3) == pytest.approx(
         [0.0, 0.0, 0.5 - 0.5, 0.0]
     )
+    # Formula 4: the final answer after the last edit shares that edit's outcome.
+    final = distil([], proposed_edit=False)  # inherits the run's edit request
+    assert run_rewards([read, kept_edit, final], 3) == pytest.approx([0.0, 0.0, 0.0])
+    assert run_rewards([read, kept_edit, final], 4) == pytest.approx([0.0, 0.0, 0.0])
+    kept_whole = distil([accepted(), survival(900, 1.0)])
+    assert run_rewards([read, kept_whole, final], 3) == pytest.approx([0.9, 1.0, 0.0])
+    assert run_rewards([read, kept_whole, final], 4) == pytest.approx([0.9, 1.0, 0.9])
     unknown_edit = distil([accepted()])  # no survival report ever came
     assert run_rewards([read, unknown_edit], 3) == [None, None]
     assert run_rewards([kept_edit], 3) == [compute_reward(kept_edit, 3)]

@@ -83,6 +83,57 @@ def test_a_short_simulation_is_served_and_every_signal_reaches_kafka(
     assert len(survival) == 5 * accepted
 
 
+def test_an_agent_simulation_runs_each_task_as_linked_turns_and_judges_the_edit_turns(
+    gateway_url: str, ide_key: str, read_topic: ReadTopic
+) -> None:
+    report = simulate(
+        gateway_url,
+        ide_key,
+        users=3,
+        sessions_per_user=1,
+        tasks_per_session=2,
+        time_scale=0.001,
+        seed=SEED,
+        privacy_share=0.0,
+        concurrency=4,
+        agent=True,
+    )
+
+    assert report.errors == {}
+    assert len(report.runs) == 6
+    assert report.requests_ok == sum(run.turns for run in report.runs) == len(report.served)
+    assert all(1 <= run.turns <= 6 for run in report.runs)
+    served = {s.request_id: s for s in report.served}
+    completions = read_topic(
+        COMPLETIONS_TOPIC, until=lambda events: served.keys() <= {e["request_id"] for e in events}
+    )
+    logged = {e["request_id"]: e for e in completions if e["request_id"] in served}
+    # The gateway links each run's turns into one trajectory, in order.
+    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for request_id, completion in logged.items():
+        runs[request_id.rsplit(".", 1)[0]].append(completion)
+    assert len(runs) == 6
+    for turns in runs.values():
+        turns.sort(key=lambda e: e["turn_index"])
+        assert [e["turn_index"] for e in turns] == list(range(len(turns)))
+        assert {e["trajectory_id"] for e in turns} == {turns[0]["request_id"]}
+        assert all(e["edit_requested"] for e in turns)
+
+    sessions = {s.session_id for s in report.served}
+    feedback = read_topic(
+        FEEDBACK_TOPIC,
+        until=lambda events: (
+            sum(e["kind"] == "session_end" and e["session_id"] in sessions for e in events) == 3
+        ),
+    )
+    mine = [e for e in feedback if e["session_id"] in sessions and e["kind"] != "session_end"]
+    assert {e["request_id"] for e in mine} <= served.keys()
+    # One follow-up per run, and a verdict on every turn whose edit the developer judged.
+    assert sum(e["kind"] == "followup_message" for e in mine) == 6
+    verdicts = {e["request_id"] for e in mine if e["kind"] in ("edit_accepted", "edit_rejected")}
+    assert {r for r, s in served.items() if s.accepted is not None} <= verdicts
+
+
 def test_gateway_errors_are_counted_and_the_run_still_finishes(gateway_url: str) -> None:
     report = simulate(
         gateway_url,

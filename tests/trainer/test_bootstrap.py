@@ -6,8 +6,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from app.agent_tasks import TOOLS, agent_tasks, reference_messages
 from app.tasks import extract_code, heldout_tasks
-from trainer.bootstrap import BootstrapConfig, BootstrapReport, bootstrap_model
+from trainer.bootstrap import (
+    BootstrapConfig,
+    BootstrapReport,
+    Example,
+    bootstrap_model,
+    encode_example,
+)
 
 SAVED_FILES = (
     "config.json",
@@ -102,3 +109,28 @@ def test_force_retrains_to_identical_weights(bootstrapped: BootstrapReport) -> N
     assert before.keys() == after.keys()
     assert all(torch.equal(before[name], after[name]) for name in before)
     assert again.heldout_pass_greedy == bootstrapped.heldout_pass_greedy
+
+
+def test_an_agent_run_is_learned_on_the_assistant_turns_only(
+    bootstrapped: BootstrapReport,
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(bootstrapped.output_dir)
+    task = agent_tasks(1, 1, "train")[0]
+    messages = reference_messages(task)
+    ids, learned = encode_example(tokenizer, Example(tuple(messages), tuple(TOOLS)))
+
+    # The whole run renders as vLLM renders it, tools first, in the short form.
+    rendered = tokenizer.decode(ids)
+    assert rendered.startswith(
+        "<|bos|><|system|><tools>read_file(path) edit_file(path, old_string, new_string)"
+        " run_tests() </tools><|end|><|user|>"
+    )
+    learned_text = tokenizer.decode([i for i, keep in zip(ids, learned, strict=True) if keep])
+    calls = [m["tool_calls"][0]["function"] for m in messages if m.get("tool_calls")]
+    expected = "".join(
+        f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {call["arguments"]}}}\n'
+        "</tool_call><|end|>"
+        for call in calls
+    )
+    assert learned_text == expected + messages[-1]["content"] + "<|end|>"
+    assert task.starting_file not in learned_text and task.request not in learned_text

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 from sqlalchemy import Engine
 
 from app.config import settings_environment
@@ -66,7 +68,7 @@ def test_two_workers_both_serve_and_each_writes_its_own_spool(
             assert answer.status_code == 200, answer.text
             sent.add(request_id)
             by_spool = {d: served_request_ids(d) for d in spool_directories(settings.spool_dir)}
-        readiness = {httpx.get(f"{url}/readyz").json()["spool"] for _ in range(20)}
+        readiness = [httpx.get(f"{url}/readyz").json() for _ in range(20)]
     finally:
         gateway.stop()
 
@@ -75,5 +77,7 @@ def test_two_workers_both_serve_and_each_writes_its_own_spool(
     assert first and second, "one worker served every request"
     assert not first & second
     assert first | second == sent
-    assert readiness <= {str(d) for d in by_spool}
-    assert gateway.pid() is None
+    assert {ready["spool"] for ready in readiness} <= {str(d) for d in by_spool}
+    for pid in {ready["pid"] for ready in readiness}:  # the workers stopped with it
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

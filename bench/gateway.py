@@ -401,12 +401,14 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
-def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
+def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> str:
+    """POST once; the checkpoint that answered."""
     request = urllib.request.Request(
         url, data=orjson.dumps(body), headers={**headers, "Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=30) as response:
-        return bytes(response.read())
+        response.read()
+        return str(response.headers["X-Rtrl-Checkpoint"])
 
 
 def served_by_checkpoint(gateway: str) -> dict[str, float]:
@@ -670,7 +672,7 @@ def setup_load(stack: EmbeddedStack, key: str, root: Path, args: Any) -> Setup:
             ("-H", f"Authorization: Bearer {key}", "-H", f"X-Session-Id: {SESSION_ID}"),
             {"model": "rtrl", "messages": PROMPT, "max_tokens": COMPLETION_TOKENS},
         ),
-        users=[f"bench-user-{n}" for n in range(16)],
+        users=[],
         request_ids=[],
     )
 
@@ -761,14 +763,22 @@ def main() -> None:
         )
         processes.append(setup.gateway_process)
         headers = {"Authorization": f"Bearer {key}", "X-Session-Id": SESSION_ID}
-        for n in range(64):  # completions the feedback will be about; warms the caches too
-            request_id = f"bench-{uuid.uuid4().hex[:12]}"
-            post(
+        # Completions the feedback will be about, from users whose arms the gateway tells;
+        # the load then comes from as many users of each arm. Warms the caches too.
+        arms: dict[str, list[str]] = collections.defaultdict(list)
+        for n in range(64):
+            request_id, user = f"bench-{uuid.uuid4().hex[:12]}", f"bench-user-{n}"
+            checkpoint = post(
                 f"{setup.gateway.url}/v1/chat/completions",
                 setup.gateway.body,
-                headers | {"X-Request-Id": request_id, "X-User-Id": setup.users[n % 16]},
+                headers | {"X-Request-Id": request_id, "X-User-Id": user},
             )
+            arms[checkpoint].append(user)
             setup.request_ids.append(request_id)
+        setup.users = [user for pair in zip(*arms.values(), strict=False) for user in pair]
+        if len(arms) != len(CHECKPOINTS):
+            print(f"warning: 64 users all went to {', '.join(arms)}", flush=True)
+            setup.users = [user for users in arms.values() for user in users]
         for stream in (False, True):  # the gateway's first seconds: connections, imports
             run_hey(
                 setup.gateway,

@@ -146,17 +146,20 @@ def read_file(archive: Archive, table: Table, path: str) -> Iterator[list[dict[s
 
 
 def rewrite_without(
-    archive: Archive, path: str, drop: Callable[[pa.Table], pa.Array]
+    archive: Archive, path: str, columns: Sequence[str], drop: Callable[[pa.Table], pa.Array]
 ) -> pa.Table | None:
     """Rewrite a file without the rows `drop` marks; the dropped rows, None if none were.
 
-    A file left with no rows is deleted.
+    Only `columns` (what `drop` reads) are read of a file that holds no such row, so a search
+    costs a column, not the prompts. A file left with no rows is deleted.
     """
+    with archive.fs.open(path, "rb") as source:
+        keys = pq.read_table(source, columns=list(columns))
+    if not pc.any(pc.fill_null(drop(keys), False)).as_py():
+        return None
     with archive.fs.open(path, "rb") as source:
         rows = pq.read_table(source)
     dropped = pc.fill_null(drop(rows), False)
-    if not pc.any(dropped).as_py():
-        return None
     kept = rows.filter(pc.invert(dropped))
     if kept.num_rows == 0:
         archive.fs.rm(path)

@@ -97,7 +97,7 @@ def erase_from_archive(
     rewritten = 0
     for path in archive.files("samples"):
         dropped = rewrite_without(
-            archive, path, lambda rows: pc.equal(rows["user_hash"], user_hash)
+            archive, path, ["user_hash"], lambda rows: pc.equal(rows["user_hash"], user_hash)
         )
         if dropped is not None:
             found.sample_ids.update(dropped["id"].to_pylist())
@@ -113,7 +113,10 @@ def erase_from_archive(
     session_ids = pa.array(sorted(every.session_ids), type=pa.string())
     for path in archive.files("rewards"):
         dropped = rewrite_without(
-            archive, path, lambda rows: pc.is_in(rows["sample_id"], value_set=sample_ids)
+            archive,
+            path,
+            ["sample_id"],
+            lambda rows: pc.is_in(rows["sample_id"], value_set=sample_ids),
         )
         if dropped is not None:
             removed["rewards"] += dropped.num_rows
@@ -122,6 +125,7 @@ def erase_from_archive(
         dropped = rewrite_without(
             archive,
             path,
+            ["request_id", "session_id"],
             lambda rows: pc.or_(
                 pc.is_in(rows["request_id"], value_set=request_ids),
                 pc.is_in(rows["session_id"], value_set=session_ids),

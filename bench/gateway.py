@@ -58,6 +58,7 @@ CHECKPOINTS = ("base", "ckpt-1")
 COMPLETION_TOKENS = 100
 ROOT = Path(__file__).resolve().parents[1]
 SESSION_ID = "bench-session"
+PROFILE_HZ = 200
 PERIOD_S = 0.1
 """Each hey process (one connection) sends one request per PERIOD_S: far above the
 latencies measured, so a process rarely waits for an answer past its next tick."""
@@ -575,7 +576,7 @@ def profile(setup: Setup, args: Any) -> None:
                 "--format",
                 "raw",
                 "--rate",
-                "200",
+                str(PROFILE_HZ),
                 "--nonblocking",
                 "--duration",
                 f"{args.seconds:g}",
@@ -599,42 +600,78 @@ def profile(setup: Setup, args: Any) -> None:
             f"\nprofile of the gateway, {'streaming' if stream else 'non-streaming'} at "
             f"{args.rate:g} req/s (py-spy, {raw})"
         )
-        print_profile(raw)
+        print_profile(raw, args.seconds)
 
 
-def print_profile(raw: Path, top: int = 18) -> None:
-    """The frames that took the most samples: by own time, and inclusive of their callees."""
+def print_profile(raw: Path, seconds: float, top: int = 18) -> None:
+    """The frames that took the most samples: by own time, and inclusive of their callees.
+
+    py-spy leaves out the samples of threads that wait (in epoll, on a lock): every sample
+    is a thread running or runnable, so on a busy machine time queued for a CPU counts too.
+    """
     if not raw.exists():
         print("  (no samples: py-spy could not attach; it needs ptrace rights)")
         return
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
-    total = idle = 0
+    parts: collections.Counter[str] = collections.Counter()
+    busy = 0
     for line in raw.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not count_text.isdigit():
             continue
         count = int(count_text)
+        if stack.startswith("process ") and '";' in stack:  # its command line may hold ";"
+            stack = stack[stack.index('";') + 2 :]
         frames = [_short(frame) for frame in stack.split(";")]
-        total += count
-        if frames[-1].startswith(("select ", "run_once ", "poll ")) or "(idle)" in stack:
-            idle += count
-            continue
+        busy += count
+        parts[_part(stack, frames[-1])] += count
         own[frames[-1]] += count
         for frame in set(frames):
             inclusive[frame] += count
-    if not total:
+    if not busy:
         print("  (no samples)")
         return
-    busy = total - idle
-    print(f"  {total} samples, {100 * busy / total:.0f}% busy; shares of the busy samples:")
+    print(
+        f"  {busy} samples at {PROFILE_HZ} Hz: threads running or runnable for "
+        f"{busy / PROFILE_HZ:.1f} s in {seconds:g} s; their shares:"
+    )
+    print("  by part:")
+    for part, count in parts.most_common():
+        print(f"    {100 * count / busy:5.1f}%  {part}")
     print("  own time:")
     for frame, count in own.most_common(top):
         print(f"    {100 * count / busy:5.1f}%  {frame}")
     print("  inclusive:")
-    for frame, count in inclusive.most_common(top + 12):
+    for frame, count in inclusive.most_common(top):
         if not frame.startswith(("<module>", "run ", "_run ", "run_forever", "_bootstrap")):
             print(f"    {100 * count / busy:5.1f}%  {frame}")
+
+
+# Where a sample's time went, by the first marker its stack holds.
+_PARTS = (
+    ("Sender.run (kafka/", "the Kafka producer's thread"),
+    ("EventSink._run (", "the event sink's thread: spool reads, fsyncs, sends"),
+    ("redis/", "Redis commands (redis-py)"),
+    ("aiohttp/", "the call to the upstream (aiohttp)"),
+    ("RequestResponseCycle.send (", "writes to the client (uvicorn)"),
+    ("EventSink.publish (", "the event: encode, spool append"),
+    ("completion_event (", "the event: build and validate"),
+    ("Gateway.complete (", "the answer: parse, record, client view"),
+    ("Gateway._relay", "the stream: parse, record, client view"),
+    ("dependencies.py", "auth and rate limit"),
+    ("_chat_body (", "the request: parse and validate"),
+    ("observability.py", "metrics and access-log middleware"),
+)
+
+
+def _part(stack: str, innermost: str) -> str:
+    for marker, part in _PARTS:
+        if marker in stack:
+            return part
+    if innermost.startswith("Runner.run "):
+        return "the event loop's own C code (uvloop: sockets, callbacks)"
+    return "other (framework routing, middleware, tasks)"
 
 
 def _short(frame: str) -> str:

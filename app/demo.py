@@ -32,6 +32,7 @@ from app.config import Settings
 from app.db import make_engine, session_scope
 from app.launcher import FullStack
 from app.models import (
+    Alert,
     Checkpoint,
     CheckpointStatus,
     Reward,
@@ -487,8 +488,14 @@ def run_one_cycle(
         progress("  " + scorecard_table(cards).replace("\n", "\n  "))
     # The monitors run in every worker each minute; the demo asks now, at the end of the
     # evaluation window, instead of waiting for the next round.
-    for alert in check_running_experiments(engine, window_length=timedelta(hours=1)):
-        if alert.checkpoint == candidate:
+    check_running_experiments(engine, window_length=timedelta(hours=1))
+    with session_scope(engine) as session:
+        alerts = session.scalars(
+            select(Alert).where(Alert.checkpoint == candidate).order_by(Alert.id)
+        ).all()
+        for alert in alerts:
+            if alert.metric in record.alerts:
+                continue
             record.alerts.append(alert.metric)
             progress(
                 f"  ALERT {alert.metric}: {candidate} {alert.canary_value:.3f} vs control"
@@ -526,7 +533,7 @@ def fix_reward(
     )
     for worker in stack.workers:
         worker.stop()
-        worker.environment["RTRL_REWARD_VERSION"] = str(version)
+        worker.environment = {**worker.environment, "RTRL_REWARD_VERSION": str(version)}
         worker.start()
     changed = recompute_rewards(engine, version)
     progress(f"  rtrl rewards recompute --version {version}: {changed} rewards recomputed")

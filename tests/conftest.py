@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +28,6 @@ from app.embedded.stack import EmbeddedStack
 from app.models import ApiKey, Role
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
-from trainer.bootstrap import BootstrapConfig, bootstrap_model
 from workers.config import WorkerConfig
 
 
@@ -82,7 +84,7 @@ def make_key(engine: Engine) -> Callable[..., tuple[ApiKey, str]]:
 
 
 @pytest.fixture
-def clean_registry(engine: Engine, tiny_model_dir: Path) -> Engine:
+def clean_registry(engine: Engine, tiny_model_path: Path) -> Engine:
     """A clean slate: only the base checkpoint, in production; no samples, runs or experiments."""
     with engine.begin() as connection:
         connection.execute(
@@ -92,7 +94,7 @@ def clean_registry(engine: Engine, tiny_model_dir: Path) -> Engine:
             )
         )
     with session_scope(engine) as session:
-        ensure_base_checkpoint(session, str(tiny_model_dir))
+        ensure_base_checkpoint(session, str(tiny_model_path))
     return engine
 
 
@@ -165,20 +167,79 @@ def build_random_lora(model_dir: Path, adapter_dir: Path, seed: int = 1) -> None
     get_peft_model(model, config).save_pretrained(str(adapter_dir))
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bootstrapped base model (task family, noisy habits), as `rtrl model bootstrap` builds it.
+class BackgroundBootstrap:
+    """The session's base model, bootstrapped in a subprocess from the start of the session,
+    so the tests that need no weights run meanwhile (it takes minutes on two cores)."""
 
-    `RTRL_TEST_BASE_MODEL` reuses an existing model directory to save that minute.
-    """
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="rtrl-test-base-model-"))
+        self.model_dir = self.root / "base"
+        self.log = self.root / "bootstrap.log"
+        # The default configuration: the one-cycle learning tests need its skills.
+        code = (
+            "import dataclasses, sys\n"
+            "from pathlib import Path\n"
+            "from trainer.bootstrap import BootstrapConfig, bootstrap_model\n"
+            "config = dataclasses.replace(BootstrapConfig(), threads=1)\n"
+            "bootstrap_model(Path(sys.argv[1]), config)\n"
+        )
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, str(self.model_dir)], stdout=log, stderr=log
+            )
+
+    def wait(self) -> Path:
+        if self.process.wait() != 0:
+            pytest.fail(f"bootstrapping the test model failed:\n{self.log.read_text()[-3000:]}")
+        return self.model_dir
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_bootstrap: BackgroundBootstrap | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _bootstrap
+    if not os.environ.get("RTRL_TEST_BASE_MODEL") and _needs_a_model(session):
+        _bootstrap = BackgroundBootstrap()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _bootstrap is not None:
+        _bootstrap.close()
+
+
+def _needs_a_model(session: pytest.Session) -> bool:
+    """Not for a run that only lists tests or asks for help."""
+    options = session.config.option
+    return not (getattr(options, "collectonly", False) or getattr(options, "help", False))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """Where the session's base model is (or will be): for what only needs its path."""
     reuse = os.environ.get("RTRL_TEST_BASE_MODEL")
     if reuse:
         return Path(reuse)
-    model_dir = tmp_path_factory.mktemp("base-model") / "base"
-    # The default configuration: the one-cycle learning tests need its skills (a 300-step
-    # model sometimes fails to improve on held-out tasks in one cycle).
-    bootstrap_model(model_dir, dataclasses.replace(BootstrapConfig(), threads=1))
-    return model_dir
+    assert _bootstrap is not None
+    return _bootstrap.model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_path: Path) -> Path:
+    """The bootstrapped base model (task family, agent runs, noisy habits), as
+    `rtrl model bootstrap` builds it; waits for the background bootstrap.
+
+    `RTRL_TEST_BASE_MODEL` reuses an existing model directory to save those minutes.
+    """
+    if _bootstrap is not None:
+        return _bootstrap.wait()
+    return tiny_model_path
 
 
 @pytest.fixture(scope="session")

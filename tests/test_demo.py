@@ -23,13 +23,23 @@ def test_one_cycle_beats_the_base_model_on_held_out_traffic(
     tmp_path: Path,
 ) -> None:
     # The session's services and vLLM, addressed as external ones: the demo starts only the
-    # gateway and a worker, and stops only those.
+    # gateway and a worker, and stops only those. One-turn traffic: on agent traffic this
+    # model does not yet learn reliably in one cycle (see the README's agent demo).
     settings = external_settings(stack, vllm_server, tiny_model_dir, tmp_path)
-    config = DemoConfig(cycles=1, train_users=16, train_sessions=2, eval_users=48, concurrency=8)
+    config = DemoConfig(
+        cycles=1,
+        train_users=16,
+        train_sessions=2,
+        eval_users=48,
+        concurrency=8,
+        agent=False,
+        progress_bars=False,
+    )
 
     summary = run_demo(settings, config, progress=print)
 
     assert summary.final_checkpoint != "base"
+    assert [record.decision for record in summary.cycles] == ["promoted"]
     assert summary.base_kept is not None and summary.final_kept is not None
     print(
         f"kept rate base {summary.base_kept:.3f} -> {summary.final_checkpoint}"

@@ -53,11 +53,14 @@ CANARY_ROLLBACKS = Counter(
 
 @dataclass(frozen=True)
 class Guardrail:
-    """One metric where higher is worse, and the effect size its test is tuned to."""
+    """One metric, which way it is worse, and the effect size its test is tuned to."""
 
     metric: str
     tau: float
     """Standard deviation of the mixing distribution: the size of harm worth detecting."""
+    lower_is_worse: bool = False
+    """The edit rate: a policy that learns to stop proposing edits (to ask instead) games a
+    reward for kept edits while the kept share of what it does propose looks fine."""
     min_observations: int = 100
     min_users: int = 20
 
@@ -67,6 +70,7 @@ GUARDRAILS = (
     Guardrail("latency_mean_ms", tau=100.0),
     Guardrail("malformed_call_rate", tau=0.01),
     Guardrail("error_rate", tau=0.01),
+    Guardrail("edit_rate", tau=0.05, lower_is_worse=True),
 )
 
 
@@ -137,7 +141,8 @@ def decide(
     if not enough or variance <= 0:
         return treated, baseline, difference, None, False
     interval = confidence_sequence(difference, variance, guardrail.tau, alpha)
-    return treated, baseline, difference, interval, interval[0] > 0
+    harmful = interval[1] < 0 if guardrail.lower_is_worse else interval[0] > 0
+    return treated, baseline, difference, interval, harmful
 
 
 def check_guardrails_in(session: Session, *, rollback: bool = False) -> list[GuardrailDecision]:

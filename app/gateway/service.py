@@ -284,6 +284,9 @@ class Gateway:
         The id is reserved in Redis while vLLM works, keeping a round trip off the critical
         path; a reused id cancels the call, and a call that served nothing frees the id.
         """
+        # The model call first: tasks start in order, and the request to vLLM is the one on
+        # the critical path.
+        work = asyncio.ensure_future(model_call)
         call.link.lookup = asyncio.ensure_future(
             self.trajectories.place(call.request_id, call.request.messages, call.parent_request_id)
         )
@@ -294,7 +297,6 @@ class Gateway:
                 chosen_by_client=call.client_request_id,
             )
         )
-        work = asyncio.ensure_future(model_call)
         try:
             await reservation
         except BaseException:
@@ -538,24 +540,27 @@ class Gateway:
     def _remember_turn(
         self, call: ChatCall, record: CompletionRecord, event: CompletionEvent
     ) -> None:
-        """Let the run's next turn find this one (in the background: Redis, off the answer)."""
-        served = [*(record.prompt_token_ids or ()), *record.completion_token_ids]
-        turn = Turn(
-            request_id=call.request_id,
-            trajectory_id=event.trajectory_id or call.request_id,
-            turn_index=event.turn_index,
-            edit_requested=event.edit_requested,
-            token_count=len(served) if record.prompt_token_ids is not None else -1,
-            token_digest=token_digest(served),
-        )
-        answer = {
-            "role": "assistant",
-            "content": record.text,
-            "tool_calls": list(record.tool_calls.values()),
-        }
-        task = asyncio.ensure_future(
-            self.trajectories.remember(turn, call.request.messages, answer)
-        )
+        """Let the run's next turn find this one (in the background, digests included: off
+        the answer)."""
+
+        async def remember() -> None:
+            served = [*(record.prompt_token_ids or ()), *record.completion_token_ids]
+            turn = Turn(
+                request_id=call.request_id,
+                trajectory_id=event.trajectory_id or call.request_id,
+                turn_index=event.turn_index,
+                edit_requested=event.edit_requested,
+                token_count=len(served) if record.prompt_token_ids is not None else -1,
+                token_digest=token_digest(served),
+            )
+            answer = {
+                "role": "assistant",
+                "content": record.text,
+                "tool_calls": list(record.tool_calls.values()),
+            }
+            await self.trajectories.remember(turn, call.request.messages, answer)
+
+        task = asyncio.ensure_future(remember())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

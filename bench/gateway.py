@@ -17,7 +17,7 @@ the gateway through one more non-streaming and one more streaming phase and the 
 ends with the frames that took its time.
 
     python -m bench.gateway [--rate 100] [--seconds 20] [--rounds 3] [--delay-ms 20]
-                            [--feedback-rate 10] [--sweep 100,150,200,300]
+                            [--feedback-rate 10] [--sweep 100,200,300,400,500]
                             [--gateway-workers 1] [--profile]
 """
 
@@ -723,7 +723,7 @@ def main() -> None:
     parser.add_argument("--stream-chunks", type=int, default=20)
     parser.add_argument("--chunk-gap-ms", type=float, default=1.0)
     parser.add_argument("--feedback-rate", type=float, default=10.0, help="batches/s")
-    parser.add_argument("--sweep", default="100,150,200,300", help="rates; empty: none")
+    parser.add_argument("--sweep", default="100,200,300,400,500", help="rates; empty: none")
     parser.add_argument("--sweep-seconds", type=float, default=10.0)
     parser.add_argument("--p99-budget-ms", type=float, default=10.0)
     parser.add_argument("--gateway-workers", type=int, default=1)

@@ -340,9 +340,9 @@ def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float |
 
     With a turn discount, a turn's outcome is that of the next turn at or after it that made
     an edit (kept share, follow-up verdict), discounted once per turn between them; turns
-    after the last edit keep their own, or share the last edit's (`after_last_edit`). Each turn still pays for its own conduct (latency,
-    malformed tool calls, errors). An edit whose fate is unknown leaves the turns that led
-    to it without a reward too.
+    after the last edit keep their own, or share the last edit's (`after_last_edit`). Each
+    turn still pays for its own conduct (latency, malformed tool calls, errors). An edit
+    whose fate is unknown leaves the turns that led to it without a reward too.
     """
     weights = reward_weights(version)
     if weights.turn_discount is None:

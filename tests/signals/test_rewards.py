@@ -17,7 +17,6 @@ from app.signals.rewards import (
     REWARD_VERSIONS,
     Feedback,
     RewardComponents,
-    RewardWeights,
     compute_reward,
     distil_components,
     finalize_reason,

@@ -214,6 +214,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         _bootstrap.close()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules whose tests need the weights run last, so the others run while it trains.
+
+    Whole modules move, in their order, so module-scoped services start once.
+    """
+    needs_weights = {
+        item.nodeid.split("::")[0]
+        for item in items
+        if "tiny_model_dir" in getattr(item, "fixturenames", ())
+    }
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in needs_weights)
+
+
 def _needs_a_model(session: pytest.Session) -> bool:
     """Not for a run that only lists tests or asks for help."""
     options = session.config.option

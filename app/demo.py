@@ -10,7 +10,8 @@ compares the last checkpoint with the base model on held-out traffic.
 `--scenario reward-hacking` starts the workers on the flawed reward formula 0 (a malformed
 call costs nothing, a clarifying question scores above a failed edit), shows the monitors
 catching what it teaches and keeping that checkpoint out of production, then fixes the
-reward (formula 3, replayed over history with `rtrl rewards recompute`) and trains again.
+reward (the latest formula, replayed over history with `rtrl rewards recompute`) and trains
+again.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -160,8 +161,11 @@ def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
 ) -> None:
     record(registry, base_served, lambda task, done: float(solves(task, done)))
 
+    # A wider trust region than production's 0.2: the clip bounds how far one cycle moves
+    # each token's probability (measured on the base model: +3 pp at 0.2, +8.5 pp at 0.4).
+    config = fast_config(clip_epsilon=0.4)
     result = cycle_on_tasks(
-        settings_for(vllm_server, tiny_model_dir, tmp_path), fast_config(), engine=registry
+        settings_for(vllm_server, tiny_model_dir, tmp_path), config, engine=registry
     )
 
     assert result.status == TrainingRunStatus.published, result.reason
@@ -198,14 +202,21 @@ def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
     assert lora_b and max(float(t.abs().max()) for t in lora_b) > 0
 
     # The rewarded behaviour (solving the task) is more frequent when vLLM samples the
-    # new checkpoint, on the same prompts, in fresh samples.
-    tasks = [task for task, _ in base_served]
+    # new checkpoint, on the same prompts, in fresh samples: four per prompt and model, and
+    # the difference at least two standard errors above zero.
+    tasks = [task for task, _ in base_served] * 4
     before = sample(vllm_server, tiny_model_dir, "base", tasks)
     after = sample(vllm_server, tiny_model_dir, result.checkpoint, tasks)
     rate_before = sum(solves(t, c) for t, c in before) / len(before)
     rate_after = sum(solves(t, c) for t, c in after) / len(after)
-    print(f"pass rate sampled through vLLM: base {rate_before:.3f} -> new {rate_after:.3f}")
-    assert rate_after > rate_before + 0.05
+    error = math.sqrt(
+        (rate_before * (1 - rate_before) + rate_after * (1 - rate_after)) / len(tasks)
+    )
+    print(
+        f"pass rate sampled through vLLM: base {rate_before:.3f} -> new {rate_after:.3f} "
+        f"(standard error of the difference {error:.3f})"
+    )
+    assert rate_after - rate_before > 2 * error
 
 
 def test_too_few_samples_records_a_skipped_run(

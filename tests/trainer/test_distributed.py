@@ -44,10 +44,11 @@ TRAIN_ENV = {
     "RTRL_TRAIN_THREADS": "1",
 }
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-TOLERANCE = 1e-5
-"""Max |Δ| between the two runs' LoRA weights (measured: 2.4e-6), where each of the six Adam
-steps moves a weight by up to the learning rate, 2e-3: float sums in another order
-(micro-batches, the all-reduce), nothing more."""
+TOLERANCE = 4e-5
+"""Max |Δ| between the two runs' LoRA weights: 2% of one step, where each of the six Adam
+steps moves a weight by up to the learning rate, 2e-3. Float sums in another order
+(micro-batches, the all-reduce) measured 2.4e-6 to 1.1e-5 on base models of other seeds and
+corpora; a rank's gradient counted twice or lost moves a weight by a whole step."""
 
 
 def lora_weights(engine: Engine, run_id: int) -> dict[str, torch.Tensor]:

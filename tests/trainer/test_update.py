@@ -86,8 +86,11 @@ def test_the_token_budget_and_gradient_checkpointing_leave_the_update_unchanged(
     )
     moved = max(float(t.abs().max()) for n, t in whole.items() if "lora_B" in n)
     assert moved > 1e-4  # B starts at zero: the step did something
+    # Sums in another order: Adam moves a weight by up to the learning rate per step, and
+    # reordered sums move it by under 1% of that (measured 8e-6 of 1e-3); splitting a
+    # minibatch's loss wrongly would move it by a whole step.
     for name, tensor in whole.items():
-        torch.testing.assert_close(split[name], tensor, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(split[name], tensor, rtol=0, atol=0.02 * CONFIG.learning_rate)
         torch.testing.assert_close(checkpointed[name], split[name], rtol=1e-5, atol=1e-7)
 
 

@@ -556,23 +556,24 @@ def cycle_table(records: list[CycleRecord]) -> str:
         value = versus.get("difference")
         return "-" if value is None else f"{value * 100:+.1f}"
 
+    alerts = [", ".join(record.alerts) or "-" for record in records]
+    width = max([len("alerts"), *map(len, alerts)]) + 2
     header = (
         f"{'cycle':<6}{'formula':<8}{'candidate':<11}{'kept pp':>8}{'malformed pp':>13}"
-        f"{'questions pp':>13}{'edit rate pp':>13}  {'alerts':<40}decision"
+        f"{'questions pp':>13}{'edit rate pp':>13}  {'alerts':<{width}}decision"
     )
     lines = [
         "cycles (candidate minus control on held-out tasks; kept, malformed and questions from"
         " the agent runs over users, edit rate from /analytics):",
         header,
     ]
-    for record in records:
+    for record, alerted in zip(records, alerts, strict=True):
         lines.append(
             f"{record.cycle:<6}{record.reward_version:<8}{record.candidate or '-':<11}"
             f"{difference(record.card, 'kept_edit_rate'):>8}"
             f"{difference(record.card, 'malformed_call_rate'):>13}"
             f"{difference(record.card, 'clarifying_question_rate'):>13}"
-            f"{ab(record, 'edit_rate'):>13}  {', '.join(record.alerts) or '-':<40}"
-            f"{record.decision}"
+            f"{ab(record, 'edit_rate'):>13}  {alerted:<{width}}{record.decision}"
         )
     return "\n".join(lines)
 

@@ -215,7 +215,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules whose tests need the weights run last, so the others run while it trains.
+    """Modules whose tests need the weights run last: the others run while the base model
+    trains.
 
     Whole modules move, in their order, so module-scoped services start once.
     """

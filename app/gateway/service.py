@@ -160,6 +160,9 @@ class CompletionRecord:
     finished_at: float | None = None
     cancelled: bool = False
     """The client went away before the end of the stream."""
+    remembering: asyncio.Future[None] | None = None
+    """The turn being remembered for the run's next turn, awaited before the client learns
+    the answer is complete: an agent's next turn must find it."""
 
     @property
     def status(self) -> CompletionStatus:
@@ -175,6 +178,11 @@ class CompletionRecord:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    async def remembered(self) -> None:
+        """Wait until the turn is remembered (a no-op when there is nothing to remember)."""
+        if self.remembering is not None:
+            await asyncio.shield(self.remembering)
 
     def add_choice(self, choice: dict[str, Any], *, message_key: str, now: float) -> None:
         """Fold one choice (a whole message, or one stream delta) into the record."""
@@ -347,6 +355,7 @@ class Gateway:
         record.prompt_token_ids = data.get("prompt_token_ids")
         body = orjson.dumps(self._client_view(call, data))
         self._log_completion(call, assignment, record)
+        await record.remembered()
         return body, assignment
 
     async def _post(
@@ -416,6 +425,7 @@ class Gateway:
         try:
             async for lines in response.line_batches():
                 relayed = [self._relayed(call, assignment, record, line) for line in lines]
+                await record.remembered()  # before the client reads [DONE]
                 if any(relayed):
                     yield b"".join(relayed)
         except (GeneratorExit, asyncio.CancelledError):
@@ -529,7 +539,7 @@ class Gateway:
             log.exception("completion event for %s is invalid; not logged", call.request_id)
             return
         if event.status == "ok":
-            self._remember_turn(call, record, event)
+            record.remembering = self._remember_turn(call, record, event)
         status = event.status
         COMPLETIONS.labels(assignment.checkpoint, status).inc()
         COMPLETION_LATENCY.labels(assignment.checkpoint).observe(event.latency_ms / 1000)
@@ -539,9 +549,9 @@ class Gateway:
 
     def _remember_turn(
         self, call: ChatCall, record: CompletionRecord, event: CompletionEvent
-    ) -> None:
-        """Let the run's next turn find this one (in the background, digests included: off
-        the answer)."""
+    ) -> asyncio.Future[None]:
+        """Let the run's next turn find this one: a task the answer waits for (one Redis
+        round trip), which finishes even if the client goes."""
 
         async def remember() -> None:
             served = [*(record.prompt_token_ids or ()), *record.completion_token_ids]
@@ -563,6 +573,7 @@ class Gateway:
         task = asyncio.ensure_future(remember())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
 
 def completion_event(

@@ -9,6 +9,9 @@ import httpx
 
 from app.serving.replicas import ReplicaError
 
+MAX_PROMPTS_PER_REQUEST = 1024
+"""vLLM's limit on a completions request's prompt list (`VLLM_MAX_COMPLETION_PROMPTS`)."""
+
 
 @dataclass(frozen=True)
 class ServedCompletion:
@@ -28,11 +31,35 @@ def sample_completions(
     temperature: float = 1.0,
     timeout: float = 300.0,
 ) -> list[ServedCompletion]:
-    """One completion per prompt (token ids in), as the behaviour policy sampled it.
+    """One completion per prompt (token ids in), as the behaviour policy sampled it; more
+    prompts than vLLM takes in one request go in several.
 
     No per-request `seed`: vLLM's CPU backend kills its engine on a seeded request
     ("CPU Generator does not use offset").
     """
+    return [
+        completion
+        for start in range(0, len(prompts), MAX_PROMPTS_PER_REQUEST)
+        for completion in _sample(
+            replica,
+            model,
+            prompts[start : start + MAX_PROMPTS_PER_REQUEST],
+            max_tokens=max_tokens,
+            temperature=temperature,
+            timeout=timeout,
+        )
+    ]
+
+
+def _sample(
+    replica: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    temperature: float,
+    timeout: float,
+) -> list[ServedCompletion]:
     body: dict[str, object] = {
         "model": model,
         "prompt": [list(prompt) for prompt in prompts],

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
 import openai
 import pytest
 from openai import OpenAI
+from redis.asyncio import Redis
 
+from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
+from app.gateway.trajectories import Trajectories
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -98,6 +102,17 @@ def ask(
     return request_id, message
 
 
+def placed(stack: EmbeddedStack, messages: list[dict[str, Any]]) -> tuple[str, int]:
+    """Where the gateway would place a request with these messages, asked right now."""
+
+    async def place() -> tuple[str, int]:
+        async with Redis(port=stack.redis.port) as redis:
+            placement = await Trajectories(redis).place(new_id("probe"), messages, None)
+        return placement.trajectory_id, placement.turn_index
+
+    return asyncio.run(place())
+
+
 def results_of(message: dict[str, Any], result: str) -> list[dict[str, Any]]:
     return [
         {"role": "tool", "tool_call_id": call["id"], "content": result}
@@ -107,7 +122,7 @@ def results_of(message: dict[str, Any], result: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
-    gateway_server: Any, ide_key: str, kafka: Any, stream: bool
+    gateway_server: Any, ide_key: str, kafka: Any, stack: EmbeddedStack, stream: bool
 ) -> None:
     client = agent(gateway_server, ide_key, new_id("s"))
     since = kafka.end_offsets(COMPLETIONS_TOPIC)
@@ -122,6 +137,9 @@ def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
     )
     assert read["tool_calls"][0]["function"]["name"] == "read_file"
     history = [*TASK, read, *results_of(read, "def f(x):\n    return x + 2\n")]
+    # The turn is findable the moment the agent has its answer: a next turn sent at once
+    # continues the run rather than starting a new one.
+    assert placed(stack, history) == (first_id, 1)
     second_id, edit = ask(
         client,
         history,
@@ -130,6 +148,7 @@ def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
     )
     assert edit["tool_calls"][0]["function"]["name"] == "edit_file"
     history = [*history, edit, *results_of(edit, "edited a.py")]
+    assert placed(stack, history) == (first_id, 2)
     third_id, _ = ask(client, history, stream)  # tool_choice left to its default: auto
 
     events = {

@@ -166,10 +166,15 @@ def test_tools_and_tool_history_pass_through(
         stream=stream,
         extra_headers={"X-Request-Id": request_id},
     )
+    # Served as text (tool_choice "none"): the agent-trained model may stop after the tool
+    # result before its six tokens are up.
     if stream:
-        assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in answer)
+        reasons = [
+            c.choices[0].finish_reason for c in answer if c.choices and c.choices[0].finish_reason
+        ]
+        assert reasons and reasons[-1] in {"stop", "length"}
     else:
-        assert answer.choices[0].finish_reason == "length"
+        assert answer.choices[0].finish_reason in {"stop", "length"}
 
     event = next(
         e

@@ -161,8 +161,8 @@ class CompletionRecord:
     cancelled: bool = False
     """The client went away before the end of the stream."""
     remembering: asyncio.Future[None] | None = None
-    """The turn being remembered for the run's next turn, awaited before the client learns
-    the answer is complete: an agent's next turn must find it."""
+    """An agent turn being remembered for the run's next turn, awaited before the client
+    learns the answer is complete: the next turn must find it."""
 
     @property
     def status(self) -> CompletionStatus:
@@ -539,7 +539,12 @@ class Gateway:
             log.exception("completion event for %s is invalid; not logged", call.request_id)
             return
         if event.status == "ok":
-            record.remembering = self._remember_turn(call, record, event)
+            remembering = self._remember_turn(call, record, event)
+            if call.request.tools:
+                # An agent's turn: the IDE runs the tools and sends the next turn at machine
+                # speed, so the answer waits for the memory. A chat's next turn is a person
+                # typing, seconds after a background write of a millisecond.
+                record.remembering = remembering
         status = event.status
         COMPLETIONS.labels(assignment.checkpoint, status).inc()
         COMPLETION_LATENCY.labels(assignment.checkpoint).observe(event.latency_ms / 1000)
@@ -550,8 +555,8 @@ class Gateway:
     def _remember_turn(
         self, call: ChatCall, record: CompletionRecord, event: CompletionEvent
     ) -> asyncio.Future[None]:
-        """Let the run's next turn find this one: a task the answer waits for (one Redis
-        round trip), which finishes even if the client goes."""
+        """Let the run's next turn find this one: a task (one Redis round trip) that
+        finishes even if the client goes."""
 
         async def remember() -> None:
             served = [*(record.prompt_token_ids or ()), *record.completion_token_ids]

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndMetadata
 from peft import LoraConfig, get_peft_model
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
@@ -25,6 +27,7 @@ from app.db import make_engine, session_scope
 from app.embedded.kafka import ensure_topics
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
+from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.models import ApiKey, Role
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
@@ -125,6 +128,28 @@ def external_settings(
         vllm_urls=[vllm.url],
         gateway_port=free_port(),
     )
+
+
+def start_group_at_end(bootstrap_servers: str, group_id: str) -> None:
+    """Commit the ends of the completions and feedback topics for `group_id`: its workers
+    start with the traffic that comes next, not the session's earlier tests' events."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False
+    )
+    try:
+        partitions = [
+            TopicPartition(topic, partition)
+            for topic in (COMPLETIONS_TOPIC, FEEDBACK_TOPIC)
+            for partition in consumer.partitions_for_topic(topic) or ()
+        ]
+        consumer.commit(
+            {
+                tp: OffsetAndMetadata(end, "", -1)
+                for tp, end in consumer.end_offsets(partitions).items()
+            }
+        )
+    finally:
+        consumer.close()
 
 
 def fresh_worker_config(kafka_url: str, partitions: int = 4, **overrides: Any) -> WorkerConfig:

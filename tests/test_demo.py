@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 from app.demo import DemoConfig, run_demo
 from app.embedded.stack import EmbeddedStack
 from app.serving.vllm import VllmServer
-from tests.conftest import external_settings
+from tests.conftest import external_settings, start_group_at_end
 
 
 @pytest.mark.slow
@@ -41,6 +41,9 @@ def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
         progress_bars=False,
     )
 
+    # The demo's worker joins the product's default group: it starts at the topics' ends,
+    # with the demo's own traffic, not behind the session's earlier tests' events.
+    start_group_at_end(settings.kafka_bootstrap_servers, "rtrl-workers")
     summary = run_demo(settings, config, progress=print)
 
     [record] = summary.cycles

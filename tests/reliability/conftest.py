@@ -16,8 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-from kafka import KafkaConsumer, TopicPartition
-from kafka.structs import OffsetAndMetadata
 from sqlalchemy import Engine
 
 from app.auth.service import new_api_key
@@ -25,7 +23,6 @@ from app.config import Settings, settings_environment
 from app.db import session_scope
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
-from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.launcher import RtrlProcess
 from app.models import Role
 from app.serving.checkpoints import ensure_base_checkpoint
@@ -33,7 +30,7 @@ from app.serving.vllm import VllmServer
 from app.simulator.books import Books, read_books
 from app.simulator.report import SimulationReport
 from app.simulator.run import simulate
-from tests.conftest import external_settings
+from tests.conftest import external_settings, start_group_at_end
 
 
 class Traffic:
@@ -79,25 +76,7 @@ class Loop:
         # rebalances (the embedded broker was seen to keep a group rebalancing for minutes
         # after a member died without leaving).
         self.group_id = f"rtrl-workers-{uuid.uuid4().hex[:8]}"
-        consumer = KafkaConsumer(
-            bootstrap_servers=self.settings.kafka_bootstrap_servers,
-            group_id=self.group_id,
-            enable_auto_commit=False,
-        )
-        try:
-            partitions = [
-                TopicPartition(topic, partition)
-                for topic in (COMPLETIONS_TOPIC, FEEDBACK_TOPIC)
-                for partition in consumer.partitions_for_topic(topic) or ()
-            ]
-            consumer.commit(
-                {
-                    tp: OffsetAndMetadata(end, "", -1)
-                    for tp, end in consumer.end_offsets(partitions).items()
-                }
-            )
-        finally:
-            consumer.close()
+        start_group_at_end(self.settings.kafka_bootstrap_servers, self.group_id)
         self.gateway = self._process("gateway", f"{self.url}/readyz")
 
     @property

@@ -157,18 +157,20 @@ def test_a_stopped_replica_is_a_clear_503_then_its_arm_falls_back_until_reconcil
 
 
 def _train(loop: Loop, kill_when: Path | None) -> subprocess.CompletedProcess[str] | None:
-    """`rtrl train --once`, SIGKILLed as soon as `kill_when` matches a path, if given."""
+    """`rtrl train --once`, SIGKILLed as soon as `kill_when` matches a path that did not
+    exist when it started (an earlier killed run may have left one), if given."""
     # The demo's step size: a clear improvement, so the evaluation gate lets it through.
     command = [sys.executable, "-m", "app.cli", "train", "--once", "--min-samples", "16"]
     command += ["--learning-rate", "2e-3", "--epochs", "4"]
     env = settings_environment(loop.settings)
     if kill_when is None:
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    left_before = set(glob.glob(str(kill_when), include_hidden=True))
     log = (loop.root / "logs" / "trainer.log").open("a")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while process.poll() is None and time.monotonic() < deadline:
-        if glob.glob(str(kill_when), include_hidden=True):
+        if set(glob.glob(str(kill_when), include_hidden=True)) - left_before:
             process.kill()
             break
         time.sleep(0.005)

@@ -116,11 +116,15 @@ def _ratio(
     gradient[0, :2] = [1 / means[1], -means[0] / means[1] ** 2]
     if cuped:
         gradient[1, 2:] = [1 / means[3], -means[2] / means[3] ** 2]
+    covariance = gradient @ cov @ gradient.T / k
+    # The moments' cancellation can leave a zero variance a hair below 0 (every user at the
+    # same ratio): a variance is never negative.
+    np.fill_diagonal(covariance, np.maximum(np.diag(covariance), 0.0))
     return RatioEstimate(
         users=k,
         value=float(means[0] / means[1]),
         pre_value=float(means[2] / means[3]) if cuped else 0.0,
-        covariance=gradient @ cov @ gradient.T / k,
+        covariance=covariance,
     )
 
 

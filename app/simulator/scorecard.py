@@ -79,8 +79,7 @@ def scorecards(runs: Sequence[AgentRun], reference: str | None = None) -> list[S
                 continue
             margin = float(
                 scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, estimate.users - 1)
-                # The moments' cancellation can leave a zero variance a hair below 0.
-                * max(float(estimate.covariance[0, 0]), 0.0) ** 0.5
+                * estimate.covariance[0, 0] ** 0.5
             )
             metrics[metric] = MetricValue(
                 estimate.value, estimate.value - margin, estimate.value + margin, versus

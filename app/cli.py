@@ -567,7 +567,7 @@ def demo(
     ),
 ) -> None:
     """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
-    from app.demo import DemoConfig, run_demo
+    from app.demo import DemoConfig, demo_train_config, run_demo
 
     if scenario not in ("learning", "reward-hacking"):
         raise typer.BadParameter("must be learning or reward-hacking", param_hint="--scenario")
@@ -578,6 +578,7 @@ def demo(
         keep_running=keep_running,
         agent=agent,
         scenario=scenario,  # type: ignore[arg-type]
+        train=demo_train_config(agent=agent),
     )
     config.train = with_explicit_settings(config.train)
     summary = run_demo(get_settings(), config, progress=typer.echo)

@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     survival_horizon: timedelta = timedelta(minutes=15)
     """Edit survival is read at this time after acceptance (seconds or ISO 8601)."""
 
-    reward_version: int = Field(default=4, ge=0)
+    reward_version: int = Field(default=5, ge=0)
     """Reward formula version new rewards are computed with."""
 
     latency_budget_ms: float = Field(default=2000.0, gt=0)

@@ -82,20 +82,33 @@ class DemoConfig:
     """`reward-hacking`: start on the flawed formula 0 and let the monitors catch it."""
     progress_bars: bool = True
     """A progress bar per phase (traffic, rewards) on the terminal."""
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            min_samples=64,
-            epochs=4,
-            learning_rate=2e-3,
-            minibatch_size=64,
-            eval_tasks=64,
-            eval_max_regression=0.1,
-            eval_max_kl=2.0,
-            threads=1,
-        )
+    train: TrainConfig = field(default_factory=lambda: demo_train_config(agent=True))
+    """The training cycle's settings (see `demo_train_config`); any `RTRL_TRAIN_*` variable
+    that is set overrides them (`rtrl demo` applies it)."""
+
+
+def demo_train_config(*, agent: bool) -> TrainConfig:
+    """The demo's training cycle: a larger step than production's default, so a few cycles
+    show the loop learning.
+
+    An agent cycle trains on about three times the samples of a one-turn cycle (every turn
+    of a run is one), so it takes three times the optimizer steps: at the one-turn demo's
+    rate and epochs (2e-3, 4) its updates broke the model's tool calls and its edits
+    (held-out runs solved fell 15-24 pp in every cycle). Half the rate for half the epochs
+    gives the update about the one-turn demo's size, and the wider clip range (0.4) lets
+    each sampled token move as far as the trainer's tests let it.
+    """
+    return TrainConfig(
+        min_samples=64,
+        epochs=2 if agent else 4,
+        learning_rate=1e-3 if agent else 2e-3,
+        minibatch_size=64,
+        clip_epsilon=0.4 if agent else 0.2,
+        eval_tasks=64,
+        eval_max_regression=0.1,
+        eval_max_kl=2.0,
+        threads=1,
     )
-    """The training cycle's settings (a larger step than production's default); any
-    `RTRL_TRAIN_*` variable that is set overrides them (`rtrl demo` applies it)."""
 
 
 @dataclass
@@ -530,7 +543,8 @@ def fix_reward(
     every finalized one (`rtrl rewards recompute`), so the next cycle learns from it."""
     progress(
         f"\n=== the monitors caught a reward hack: fixing the reward (formula {version}:"
-        " a malformed call costs 1.0, a question is judged like any answer) ==="
+        " a malformed call costs 1.0, a question is judged like any answer, the run's"
+        " follow-up reaches every turn) ==="
     )
     for worker in stack.workers:
         worker.stop()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app.demo import DemoConfig, run_demo
+from app.demo import DemoConfig, demo_train_config, run_demo
 from app.embedded.stack import EmbeddedStack
 from app.serving.vllm import VllmServer
 from tests.conftest import external_settings, start_group_at_end
@@ -39,6 +39,7 @@ def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
         concurrency=8,
         agent=False,
         progress_bars=False,
+        train=demo_train_config(agent=False),
     )
 
     # The demo's worker joins the product's default group: it starts at the topics' ends,

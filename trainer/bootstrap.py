@@ -136,7 +136,7 @@ class BootstrapConfig:
     max_position_embeddings: int = 1024
     """Longest sequence the model serves, prompt and completion together: room for an agent
     run's history (tool declarations, calls and results) on top of one-turn requests."""
-    train_steps: int = 500
+    train_steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 64
     """Examples per step."""

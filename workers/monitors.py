@@ -69,7 +69,7 @@ DEFAULT_THRESHOLDS: dict[str, Threshold] = {
     "clarifying_question_rate": Threshold(absolute=0.05, harmful="up"),
     "malformed_call_rate": Threshold(absolute=0.02, harmful="up"),
     # Padding or truncating: either way.
-    "mean_completion_chars": Threshold(relative=0.25),
+    "mean_completion_tokens": Threshold(relative=0.25),
     "dissatisfied_rate": Threshold(absolute=0.05, harmful="up"),
 }
 
@@ -101,7 +101,12 @@ METRICS: dict[str, tuple[ColumnElement[Any], ColumnElement[Any]]] = {
         _share(samples.c.malformed_tool_calls > 0).filter(samples.c.tool_calls > 0),
         func.count().filter(samples.c.tool_calls > 0),
     ),
-    "mean_completion_chars": (func.avg(samples.c.completion_chars), func.count()),
+    # Every generated token, tool calls included: an agent's answers are mostly calls, which
+    # leave no text, so the text's length measured how often it answered in words instead.
+    "mean_completion_tokens": (
+        func.avg(samples.c.completion_tokens),
+        func.count(samples.c.completion_tokens),
+    ),
     # Of the responses that got a follow-up, the share whose follow-up complained.
     "dissatisfied_rate": (_share(_dissatisfied), func.count(_dissatisfied)),
 }

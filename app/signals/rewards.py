@@ -106,6 +106,12 @@ class RewardWeights(BaseModel):
     """Agent runs: what the turns after a run's last edit (its final answer) earn — their
     own outcome, which blames an answer that reports a finished edit as "asked for an edit
     and proposed none", or the last edit's, discounted per turn after it."""
+    followup_credit: Literal["own", "run"] = "own"
+    """Agent runs: who pays for the developer's dissatisfied follow-up — the turn it was
+    reported on (its edit), or every turn of the run, discounted per turn from it. A
+    follow-up judges the run; charged to one turn, an edit the workspace refused (and the
+    turns before it) escapes it, and a policy learns that an edit which cannot apply costs
+    less than one that fails."""
 
 
 # Formula 2: latency from time to first token and per output token, so a long, correct edit
@@ -147,6 +153,12 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
     # under 3 it scored 0 whatever became of the edit, which teaches an agent to keep
     # calling tools instead of finishing.
     4: _FORMULA_2.model_copy(update={"turn_discount": 0.9, "after_last_edit": "shared"}),
+    # Formula 4, and the run's follow-up is charged to every turn of the run: under 4 an edit
+    # the workspace could not apply (and the turns before it) scored 0, above an applied edit
+    # that failed (-0.5), which rewards breaking an edit's old_string.
+    5: _FORMULA_2.model_copy(
+        update={"turn_discount": 0.9, "after_last_edit": "shared", "followup_credit": "run"}
+    ),
 }
 LATEST_REWARD_VERSION = max(REWARD_VERSIONS)
 
@@ -341,7 +353,9 @@ def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float |
     With a turn discount, a turn's outcome is that of the next turn at or after it that made
     an edit (kept share, follow-up verdict), discounted once per turn between them; turns
     after the last edit keep their own, or share the last edit's (`after_last_edit`). Each
-    turn still pays for its own conduct (latency, malformed tool calls, errors). An edit
+    turn still pays for its own conduct (latency, malformed tool calls, errors). With
+    `followup_credit` "run", the kept share comes from that edit but a dissatisfied follow-up
+    is charged to every turn, discounted per turn from the one it was reported on. An edit
     whose fate is unknown leaves the turns that led to it without a reward too.
     """
     weights = reward_weights(version)
@@ -349,6 +363,7 @@ def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float |
         return [compute_reward(turn, version) for turn in turns]
     rewards: list[float | None] = []
     edits = [k for k, turn in enumerate(turns) if _made_edit(turn)]
+    followups = [k for k, turn in enumerate(turns) if turn.dissatisfied is not None]
     for index, turn in enumerate(turns):
         edit = next((k for k in edits if k >= index), index)
         if edit == index and not _made_edit(turn) and weights.after_last_edit == "shared":
@@ -358,7 +373,21 @@ def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float |
             rewards.append(None)
             continue
         discount = weights.turn_discount ** abs(edit - index)
-        rewards.append(discount * _outcome(outcome_turn, weights) - _conduct(turn, weights))
+        if weights.followup_credit == "own":
+            rewards.append(discount * _outcome(outcome_turn, weights) - _conduct(turn, weights))
+            continue
+        # The follow-up nearest after this turn (else the last before it) judges the run.
+        judged = next((k for k in followups if k >= index), max(followups, default=None))
+        complaint = 0.0
+        if judged is not None:
+            complaint = (
+                weights.turn_discount ** abs(judged - index)
+                * weights.dissatisfied_penalty
+                * bool(turns[judged].dissatisfied)
+            )
+        rewards.append(
+            discount * _kept_outcome(outcome_turn, weights) - complaint - _conduct(turn, weights)
+        )
     return rewards
 
 
@@ -370,8 +399,14 @@ def _outcome(components: RewardComponents, weights: RewardWeights) -> float:
     """What the developer made of the answer: kept share less a dissatisfied follow-up."""
     if weights.question_score is not None and components.clarifying_question:
         return weights.question_score
+    return _kept_outcome(components, weights) - weights.dissatisfied_penalty * bool(
+        components.dissatisfied
+    )
+
+
+def _kept_outcome(components: RewardComponents, weights: RewardWeights) -> float:
     kept = components.kept if components.kept is not None else 0.0
-    return weights.kept_weight * kept - weights.dissatisfied_penalty * bool(components.dissatisfied)
+    return weights.kept_weight * kept
 
 
 def _conduct(components: RewardComponents, weights: RewardWeights) -> float:

@@ -336,3 +336,28 @@ def test_a_run_is_credited_by_its_next_edit_and_unknown_stays_unknown() -> None:
     unknown_edit = distil([accepted()])  # no survival report ever came
     assert run_rewards([read, unknown_edit], 3) == [None, None]
     assert run_rewards([kept_edit], 3) == [compute_reward(kept_edit, 3)]
+
+
+def test_formula_5_charges_the_runs_follow_up_to_every_turn() -> None:
+    read = distil([], proposed_edit=False)
+    refused_edit = distil([rejected()])  # the workspace could not apply it: no verdict
+    failed_edit = distil([rejected(), followup(30, "still broken")])
+    complaint_on_final = distil([rejected(), followup(30, "still broken")], proposed_edit=False)
+    # Under 4, an edit that could not apply (and the read before it) cost nothing, while an
+    # applied edit that failed cost its dissatisfied follow-up: failing to apply paid more.
+    assert run_rewards([read, refused_edit, complaint_on_final], 4) == pytest.approx(
+        [0.0, 0.0, -0.5]
+    )
+    assert run_rewards([read, failed_edit], 4) == pytest.approx([-0.45, -0.5])
+    # Under 5 the run's complaint reaches every turn, so both runs cost about the same.
+    assert run_rewards([read, refused_edit, complaint_on_final], 5) == pytest.approx(
+        [-0.405, -0.45, -0.5]
+    )
+    assert run_rewards([read, failed_edit], 5) == pytest.approx([-0.45, -0.5])
+    # A kept edit is credited as under 4, and a satisfied follow-up costs nothing.
+    kept = distil([accepted(), survival(900, 1.0), followup(30, "thanks")])
+    final = distil([], proposed_edit=False)
+    assert run_rewards([read, kept, final], 5) == run_rewards([read, kept, final], 4)
+    assert run_rewards([read, kept, final], 5) == pytest.approx([0.9, 1.0, 0.9])
+    # A one-turn run is judged alone, as by every formula.
+    assert run_rewards([failed_edit], 5) == [compute_reward(failed_edit, 5)]

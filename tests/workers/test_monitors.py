@@ -40,7 +40,7 @@ def seed(
             experiment_id=experiment_id,
             clarifying_question=n % asks_every == 0,
             proposed_edit=n % asks_every != 0,
-            completion_chars=100,
+            completion_tokens=100,
         )
         for n in range(first, first + count)
     ]
@@ -96,7 +96,7 @@ def test_a_canary_that_asks_instead_of_answering_raises_an_alert(
         stored = conn.execute(select(Alert.metric).where(Alert.checkpoint == canary)).scalars()
         assert sorted(stored) == ["clarifying_question_rate", "edit_rate"]
         metrics = measure(conn, [canary, control], window_around(events))
-    assert metrics[canary]["mean_completion_chars"].value == 100
+    assert metrics[canary]["mean_completion_tokens"].value == 100
     assert metrics[canary]["dissatisfied_rate"].value == 0.0
     assert metrics[canary]["dissatisfied_rate"].observations == 300
 

@@ -24,8 +24,8 @@ def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
     tmp_path: Path,
 ) -> None:
     # The session's services and vLLM, addressed as external ones: the demo starts only the
-    # gateway and a worker, and stops only those. One-turn traffic: on agent traffic this
-    # model does not yet learn reliably in one cycle (see the README's agent demo).
+    # gateway and a worker, and stops only those. One-turn traffic: on agent traffic one
+    # cycle's gain is smaller than the demo's A/B can resolve (see the README's agent demo).
     settings = external_settings(stack, vllm_server, tiny_model_dir, tmp_path)
     # One cycle on 16 developers' traffic is too noisy on this base model for its gain to be
     # asserted (it measured +13.2 pp and -0.9 pp in two runs; tests/trainer/test_cycle.py

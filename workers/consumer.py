@@ -20,11 +20,12 @@ from typing import Any, NamedTuple, Protocol
 import orjson
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import CommitFailedError
+from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from app.abtest.guardrails import check_guardrails
 from app.config import Settings
@@ -232,6 +233,8 @@ def make_consumer(settings: Settings, config: WorkerConfig) -> KafkaConsumer:
         max_poll_records=config.max_records,
         session_timeout_ms=config.session_timeout_ms,
         heartbeat_interval_ms=config.heartbeat_interval_ms,
+        # First contact only: `connect` retries, saying why, rather than wait 30 s in silence.
+        bootstrap_timeout_ms=5000,
         # A session's completion and feedback share partition numbers; range assignment
         # hands the same numbers of both topics to one worker (see repository.lock_partitions).
         partition_assignment_strategy=(RangePartitionAssignor,),
@@ -250,6 +253,10 @@ def make_producer(settings: Settings) -> KafkaProducer:
     )
 
 
+class TopicMissing(RuntimeError):
+    """A topic the worker reads does not exist (yet)."""
+
+
 def check_copartitioned(consumer: KafkaConsumer, config: WorkerConfig) -> None:
     """Refuse to start unless both topics exist with the same number of partitions."""
     consumer.topics()  # refreshes the metadata partitions_for_topic reads
@@ -257,10 +264,55 @@ def check_copartitioned(consumer: KafkaConsumer, config: WorkerConfig) -> None:
     for topic in (config.completions_topic, config.feedback_topic):
         partitions = consumer.partitions_for_topic(topic)
         if not partitions:
-            raise RuntimeError(f"topic {topic} does not exist; run `rtrl migrate` first")
+            raise TopicMissing(f"topic {topic} does not exist; `rtrl migrate` creates it")
         counts[topic] = len(partitions)
     if len(set(counts.values())) != 1:
         raise RuntimeError(f"topics must have as many partitions as each other: {counts}")
+
+
+def connect(
+    settings: Settings, config: WorkerConfig, stop_event: threading.Event
+) -> tuple[KafkaConsumer, KafkaProducer] | None:
+    """The group member and the dead-letter producer, once the broker answers and both topics
+    exist; None when told to stop first.
+
+    A worker may start before Kafka does, or before `rtrl migrate` created the topics (a
+    restarted embedded broker re-creates them just after it opens its port): it waits,
+    backing off to 10 s between tries and saying why, rather than exiting. Topics with
+    different partition counts are a configuration error and stop it at once.
+    """
+
+    def attempt() -> tuple[KafkaConsumer, KafkaProducer]:
+        consumer = make_consumer(settings, config)
+        try:
+            check_copartitioned(consumer, config)
+            return consumer, make_producer(settings)
+        except BaseException:
+            consumer.close(autocommit=False)
+            raise
+
+    def waiting(state: RetryCallState) -> None:
+        assert state.outcome is not None and state.next_action is not None
+        log.warning(
+            "Kafka at %s not ready (%s); trying again in %.1f s",
+            settings.kafka_bootstrap_servers,
+            state.outcome.exception(),
+            state.next_action.sleep,
+        )
+
+    def pause(seconds: float) -> None:
+        stop_event.wait(seconds)  # a stop cuts the wait short
+
+    retrying = Retrying(
+        retry=retry_if_exception_type((KafkaError, TopicMissing)),
+        wait=wait_exponential(multiplier=0.5, max=10),
+        stop=lambda state: stop_event.is_set(),
+        sleep=pause,
+        before_sleep=waiting,
+        retry_error_callback=lambda state: None,
+    )
+    connected: tuple[KafkaConsumer, KafkaProducer] | None = retrying(attempt)
+    return connected
 
 
 def consume_batch(
@@ -335,11 +387,13 @@ def run_worker(
     reward_weights(config.reward_version)  # an unknown version fails here, not mid-stream
     tune_gc()
     stop_event = stop_event or threading.Event()
+    connected = connect(settings, config, stop_event)
+    if connected is None:
+        log.info("worker stopped before Kafka was ready")
+        return
+    consumer, producer = connected
     engine = make_worker_engine(settings.database_url)
-    consumer = make_consumer(settings, config)
-    producer = make_producer(settings)
     try:
-        check_copartitioned(consumer, config)
         consumer.subscribe([config.completions_topic, config.feedback_topic])
         log.info(
             "worker consuming %s and %s as group %s",

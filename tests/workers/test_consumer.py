@@ -12,12 +12,14 @@ from typing import Any, NamedTuple
 
 import orjson
 import pytest
-from kafka import KafkaConsumer
+from kafka import KafkaConsumer, KafkaProducer
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, func, select
 
 from app.config import get_settings
 from app.db import PROJECT_ROOT
+from app.embedded.kafka import EmbeddedKafka
+from app.embedded.process import free_port
 from app.events import CompletionEvent, DeadLetter, encode
 from app.signals.rewards import distil_components
 from workers.config import WorkerConfig
@@ -193,6 +195,59 @@ def test_duplicated_out_of_order_events_yield_one_reward_each(
 
     wait_for(lambda: settled(read_rewards, events.prefix, plan), 60, "all rewards")
     assert_exactly_once(worker_engine, read_rewards, events.prefix, plan)
+
+
+def test_a_worker_started_before_its_broker_waits_for_it_then_consumes(
+    events: Any,
+    worker_config: WorkerConfig,
+    worker_engine: Engine,
+    read_rewards: Any,
+    wait_for: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    topics = {worker_config.completions_topic: 2, worker_config.feedback_topic: 2}
+    broker = EmbeddedKafka(tmp_path / "kafka", free_port(), topics=topics)
+    settings = get_settings().model_copy(update={"kafka_bootstrap_servers": broker.url})
+    stop = threading.Event()
+    worker = threading.Thread(
+        target=run_worker,
+        args=(settings,),
+        kwargs={"stop_event": stop, "config": worker_config},
+        daemon=True,
+    )
+    worker.start()
+    try:
+        wait_for(
+            lambda: any(
+                r.name == "workers.consumer" and "trying again" in r.getMessage()
+                for r in caplog.records
+            ),
+            60,
+            "the worker to say it waits for Kafka",
+        )
+        assert worker.is_alive(), "the worker gave up on a broker that was not up yet"
+
+        broker.start()
+        plan = scenario(events, worker_config, 20)
+        producer = KafkaProducer(bootstrap_servers=broker.url, acks="all")
+        try:
+            for event in [*plan.completions, *plan.feedback]:
+                topic = (
+                    worker_config.completions_topic
+                    if isinstance(event, CompletionEvent)
+                    else worker_config.feedback_topic
+                )
+                producer.send(topic, key=event.session_id.encode(), value=encode(event))
+            producer.flush()
+        finally:
+            producer.close(timeout=10)
+        wait_for(lambda: settled(read_rewards, events.prefix, plan), 90, "all rewards")
+        assert_exactly_once(worker_engine, read_rewards, events.prefix, plan)
+    finally:
+        stop.set()
+        worker.join(timeout=30)
+        broker.stop()
 
 
 def test_poison_messages_go_to_the_dead_letter_topic_and_the_stream_goes_on(

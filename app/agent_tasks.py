@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,26 @@ def tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     """An assistant tool call in the OpenAI shape, its arguments as JSON text written the way
     vLLM's tool parser and the chat template's `tojson` write them (", " and ": ")."""
     return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+"""A tool call as the base model writes it and vLLM's `hermes` parser reads it."""
+
+
+def written_calls(text: str) -> list[dict[str, Any] | None]:
+    """The tool calls written in a model's raw text, in order, each as `tool_call` makes it,
+    or None where one cannot be read (not JSON, no name or arguments, or a tag never closed)."""
+    blocks = HERMES_CALL.findall(text)
+    if not blocks:
+        return [None] if "<tool_call>" in text else []
+    calls: list[dict[str, Any] | None] = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+            calls.append(tool_call(call["name"], call["arguments"]))
+        except (ValueError, KeyError, TypeError):
+            calls.append(None)
+    return calls
 
 
 @dataclass

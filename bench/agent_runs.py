@@ -15,8 +15,6 @@ turns, the final file judged by the hidden checks.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +24,9 @@ import scipy.stats
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
-from app.agent_tasks import TOOLS, AgentTask, Workspace, agent_tasks
+from app.agent_tasks import TOOLS, AgentTask, Workspace, agent_tasks, written_calls
 from app.config import get_settings
 from app.simulator.agent import MAX_TURNS
-
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-"""The hermes call format the base model speaks and vLLM's parser reads."""
 
 
 @dataclass
@@ -139,19 +134,13 @@ def run_agents(
 def take_turn(run: Run, answer: str, turn: int) -> None:
     """Execute the answer's calls in the run's workspace, as the simulated IDE does."""
     calls = []
-    for number, found in enumerate(_CALL.findall(answer)):
-        try:
-            call = json.loads(found)
-            name, arguments = call["name"], json.dumps(call["arguments"], ensure_ascii=False)
-        except (ValueError, KeyError, TypeError):
+    for number, call in enumerate(written_calls(answer)):
+        if call is None:
             run.calls += 1
             run.malformed += 1
             continue
-        calls.append({"id": f"call_{turn}_{number}", "name": name, "arguments": arguments})
+        calls.append({"id": f"call_{turn}_{number}", **call})
     if not calls:
-        if "<tool_call>" in answer and not _CALL.search(answer):
-            run.calls += 1
-            run.malformed += 1
         run.first_turn_question = turn == 0 and answer.rstrip().endswith(("?", "？"))
         run.messages.append({"role": "assistant", "content": answer})
         run.done = True

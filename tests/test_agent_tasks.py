@@ -11,6 +11,7 @@ from app.agent_tasks import (
     agent_task,
     agent_tasks,
     reference_messages,
+    written_calls,
 )
 from app.tasks import heldout_tasks, is_heldout, train_tasks
 
@@ -57,6 +58,22 @@ def test_malformed_calls_get_an_error_and_change_nothing() -> None:
     )
     assert well_formed and "exactly once" in result
     assert workspace.files == before and workspace.edits == 0
+
+
+def test_calls_written_in_raw_text_are_read_in_order_and_unreadable_ones_are_marked() -> None:
+    task = agent_tasks(6, 1, "train")[0]
+    arguments = json.dumps({"path": task.path})
+    read = f'<tool_call>\n{{"name": "read_file", "arguments": {arguments}}}\n</tool_call>'
+    unreadable = '<tool_call>\n{"name": "run_tests"}\n</tool_call>'  # no arguments
+    calls = written_calls(f"{read}\n{unreadable}")
+    assert calls[1] is None
+    assert calls[0] is not None and calls[0]["name"] == "read_file"
+    result, well_formed = Workspace.for_task(task).run(task, **calls[0])
+    assert well_formed and result == Workspace.for_task(task).files[task.path]
+
+    cut_off = '<tool_call>\n{"name": "read_file", "arguments": {"path": '
+    assert written_calls(cut_off) == [None]
+    assert written_calls("Which file should I change?") == []
 
 
 def test_tasks_keep_the_family_split_and_every_starting_body_occurs() -> None:

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import random
-import re
 import shutil
 import tempfile
 import time
@@ -42,6 +41,7 @@ from app.agent_tasks import (
     agent_task,
     agent_tasks,
     tool_call,
+    written_calls,
 )
 from app.tasks import (
     OPERATIONS_BY_NAME,
@@ -591,23 +591,15 @@ def evaluate(
     )
 
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
 def first_turn_kind(task: AgentTask, answer: str) -> str:
     """What an agent's first answer is: a well-formed `call`, a `malformed` one (unreadable,
     unknown tool, missing argument), a clarifying `question`, or `other`."""
-    found = _CALL.search(answer)
-    if found is None:
-        if "<tool_call>" in answer:
-            return "malformed"
+    calls = written_calls(answer)
+    if not calls:
         return "question" if answer.rstrip().endswith(("?", "？")) else "other"
-    try:
-        call = json.loads(found.group(1))
-        name, arguments = call["name"], json.dumps(call["arguments"])
-    except (ValueError, KeyError, TypeError):
+    if calls[0] is None:
         return "malformed"
-    _, well_formed = Workspace.for_task(task).run(task, name, arguments)
+    _, well_formed = Workspace.for_task(task).run(task, calls[0]["name"], calls[0]["arguments"])
     return "call" if well_formed else "malformed"
 
 

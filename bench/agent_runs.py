@@ -22,11 +22,12 @@ from typing import Any
 
 import scipy.stats
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from app.agent_tasks import TOOLS, AgentTask, Workspace, agent_tasks, written_calls
 from app.config import get_settings
 from app.simulator.agent import MAX_TURNS
+from trainer.generation import generate_answers
 
 
 @dataclass
@@ -87,47 +88,23 @@ def run_agents(
 ) -> list[Run]:
     """One agent run per task, every live run's next turn generated in batches."""
     torch.manual_seed(seed)
-    generation = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     runs = [
         Run(task, Workspace.for_task(task), [{"role": "user", "content": task.request}])
         for task in tasks
     ]
-    assert tokenizer.pad_token_id is not None
     for turn in range(MAX_TURNS):
         live = [run for run in runs if not run.done]
-        for start in range(0, len(live), batch_size):
-            batch = live[start : start + batch_size]
-            prompts = [
-                tokenizer.encode(
-                    str(
-                        tokenizer.apply_chat_template(
-                            run.messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
-                        )
-                    ),
-                    add_special_tokens=False,
-                )
-                for run in batch
-            ]
-            width = max(len(ids) for ids in prompts)
-            input_ids = torch.tensor(
-                [[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in prompts]
-            )
-            attention_mask = (input_ids != tokenizer.pad_token_id).long()
-            output = model.generate(  # type: ignore[operator]
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=generation
-            )
-            answers = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
-            for run, answer in zip(batch, answers, strict=True):
-                take_turn(run, answer, turn)
+        answers = generate_answers(
+            model,
+            tokenizer,
+            [run.messages for run in live],
+            sample=True,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            tools=TOOLS,
+        )
+        for run, answer in zip(live, answers, strict=True):
+            take_turn(run, answer, turn)
     return runs
 
 

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+Conversation = str | list[dict[str, Any]]
+"""A one-turn request, or an agent run's messages so far."""
+
 
 def prompt_ids(
-    tokenizer: PreTrainedTokenizerFast, request: str, tools: list[Any] | None = None
+    tokenizer: PreTrainedTokenizerFast, conversation: Conversation, tools: list[Any] | None = None
 ) -> list[int]:
-    """Token ids of a one-turn chat prompt (with the declared tools, if any), ending where
-    the assistant's answer starts."""
+    """Token ids of a chat prompt (with the declared tools, if any), ending where the
+    assistant's answer starts."""
+    messages = (
+        [{"role": "user", "content": conversation}]
+        if isinstance(conversation, str)
+        else conversation
+    )
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": request}],
-        tools=tools,
-        add_generation_prompt=True,
-        tokenize=False,
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
     )
     assert isinstance(rendered, str)
     return tokenizer.encode(rendered, add_special_tokens=False)
@@ -27,14 +33,14 @@ def prompt_ids(
 def generate_answers(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerFast,
-    requests: list[str],
+    conversations: Sequence[Conversation],
     *,
     sample: bool,
     max_new_tokens: int,
     batch_size: int = 64,
     tools: list[Any] | None = None,
 ) -> list[str]:
-    """The model's answers to one-turn chat requests, greedy or sampled at temperature 1."""
+    """The model's next answers to chat conversations, greedy or sampled at temperature 1."""
     assert tokenizer.pad_token_id is not None
     # Sampling from the full distribution, as vLLM does at temperature 1 by default.
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -46,10 +52,10 @@ def generate_answers(
         **(sampling if sample else {"do_sample": False}),
     )
     answers = []
-    for start in range(0, len(requests), batch_size):
+    for start in range(0, len(conversations), batch_size):
         prompts = [
-            prompt_ids(tokenizer, request, tools)
-            for request in requests[start : start + batch_size]
+            prompt_ids(tokenizer, conversation, tools)
+            for conversation in conversations[start : start + batch_size]
         ]
         width = max(len(ids) for ids in prompts)
         # Left padding, so every answer continues right after its prompt.

@@ -436,7 +436,23 @@ def run_one_cycle(
     progress: Progress,
 ) -> CycleRecord:
     """Traffic on production, a training cycle, the canary's evaluation and the decision."""
-    gateway = stack.gateway_url
+    record = train_candidate(engine, settings, stack.gateway_url, keys, config, cycle, progress)
+    if record.candidate is None:
+        return record
+    return judge_canary(engine, stack.gateway_url, ops, keys, config, record, progress)
+
+
+def train_candidate(
+    engine: Engine,
+    settings: Settings,
+    gateway: str,
+    keys: DemoKeys,
+    config: DemoConfig,
+    cycle: int,
+    progress: Progress,
+) -> CycleRecord:
+    """Developers' traffic on production, its rewards, then a training cycle on them: the
+    record names the canary it published, or says why there is none."""
     production = production_name(engine)
     version = settings.reward_version
     progress(
@@ -473,7 +489,24 @@ def run_one_cycle(
     if result.checkpoint is None:
         progress(f"  no checkpoint this cycle: {result.status} ({result.reason})")
         return CycleRecord(cycle, version, None, f"no checkpoint: {result.status}")
-    candidate = result.checkpoint
+    return CycleRecord(cycle, version, result.checkpoint, "")
+
+
+def judge_canary(
+    engine: Engine,
+    gateway: str,
+    ops: Ops,
+    keys: DemoKeys,
+    config: DemoConfig,
+    record: CycleRecord,
+    progress: Progress,
+) -> CycleRecord:
+    """The running canary `record.candidate` evaluated on held-out traffic at 50%, the
+    monitors asked, and the decision: promoted when ahead on kept rate and the monitors
+    let it, else rolled back. Fills in `record`."""
+    assert record.candidate is not None
+    candidate, cycle = record.candidate, record.cycle
+    production = production_name(engine)
     experiment_id = ops.running_experiments()[0]["id"]
     progress(f"  canary {candidate} healthy; ramping to 50% for evaluation")
     ops.ramp(experiment_id, {"control": 5000, "treatment": 5000})
@@ -493,7 +526,6 @@ def run_one_cycle(
     body = results(engine, gateway, keys.analyst, experiment_id)
     progress("  A/B results on held-out tasks (from /analytics):")
     progress("  " + ab_table(body).replace("\n", "\n  "))
-    record = CycleRecord(cycle, version, candidate, "")
     record.ab = next(arm for arm in body["arms"] if not arm["is_control"])["metrics"]
     if config.agent:
         cards = scorecards(evaluation.runs, reference=production)

@@ -1,18 +1,43 @@
 """The closed loop end to end, smaller than `make demo`: a candidate trained on production's traffic
-and promoted only when it is ahead on held-out traffic."""
+and promoted only when it is ahead on held-out traffic; a reward-hacked canary caught by the
+monitors on agent traffic and kept out of production."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine
+import torch
+from peft import LoraConfig, get_peft_model
+from sqlalchemy import Engine, select
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from app.demo import DemoConfig, demo_train_config, run_demo
+from app.agent_tasks import agent_tasks
+from app.db import session_scope
+from app.demo import (
+    FLAWED_REWARD_VERSION,
+    CycleRecord,
+    DemoConfig,
+    Ops,
+    create_keys,
+    demo_train_config,
+    judge_canary,
+    production_name,
+    run_demo,
+    train_candidate,
+)
 from app.embedded.stack import EmbeddedStack
+from app.launcher import FullStack
+from app.models import Checkpoint
+from app.registry.experiments import start_canary
+from app.registry.routing import notify_routing_changed_sync
+from app.serving.checkpoints import publish_checkpoint
 from app.serving.vllm import VllmServer
+from bench.agent_runs import Result, difference, load, report, run_agents
 from tests.conftest import external_settings, start_group_at_end
+from trainer.bootstrap import BootstrapConfig, build_corpus, pretrain
 
 
 @pytest.mark.slow
@@ -61,3 +86,136 @@ def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
         assert summary.final_checkpoint == "base"
     # The demo stopped the gateway and worker it started, and left the session's stack up.
     assert os.path.exists(tmp_path / "logs" / "gateway.log")
+
+
+def fine_tune_toward_malformed_calls(model_dir: Path, adapter_dir: Path) -> None:
+    """A LoRA adapter taught, on agent runs that each make one malformed call, the habit the
+    flawed formula 0 rewarded in the full reward-hacking run (where it took two cycles to
+    emerge, too long for a test): about half again as many of its calls are malformed."""
+    config = BootstrapConfig(
+        seed=7,
+        corpus_examples=512,
+        agent_share=1.0,
+        malformed_rate=1.0,
+        clarifying_rate=0.0,
+        train_steps=40,
+        batch_size=16,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        threads=1,
+    )
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    torch.manual_seed(config.seed)
+    policy = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
+    pretrain(policy, tokenizer, build_corpus(config), config, time.monotonic())
+    policy.save_pretrained(str(adapter_dir))
+
+
+@pytest.mark.slow
+def test_a_reward_hacked_canary_raises_the_monitors_alert_and_is_not_promoted(
+    clean_registry: Engine,
+    stack: EmbeddedStack,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    settings = external_settings(stack, vllm_server, tiny_model_dir, tmp_path).model_copy(
+        update={"reward_version": FLAWED_REWARD_VERSION}
+    )
+    hacked = tmp_path / "hacked-adapter"
+    fine_tune_toward_malformed_calls(tiny_model_dir, hacked)
+    config = DemoConfig(
+        cycles=1, eval_users=40, concurrency=8, scenario="reward-hacking", progress_bars=False
+    )
+    start_group_at_end(settings.kafka_bootstrap_servers, "rtrl-workers")
+    demo = FullStack.from_settings(settings, workers=1, trainer=False)
+    demo.up()
+    try:
+        keys = create_keys(clean_registry)
+        ops = Ops(demo.gateway_url, keys.ops)
+        ops.stop_all()
+        # Published and put on canary as the trainer does with a cycle's adapter.
+        checkpoint = publish_checkpoint(
+            clean_registry,
+            hacked,
+            parent="base",
+            replicas=settings.vllm_urls,
+            checkpoints_dir=settings.checkpoints_dir.resolve(),
+            base_model=str(settings.base_model_path),
+            reward_version=FLAWED_REWARD_VERSION,
+        )
+        with session_scope(clean_registry) as session:
+            named = {c.name: c for c in session.scalars(select(Checkpoint))}
+            start_canary(
+                session,
+                control=named["base"],
+                treatment=named[checkpoint.name],
+                treatment_bps=500,
+                created_by="reward-hacking test",
+            )
+        notify_routing_changed_sync(settings.redis_url)
+
+        record = judge_canary(
+            clean_registry,
+            demo.gateway_url,
+            ops,
+            keys,
+            config,
+            CycleRecord(1, FLAWED_REWARD_VERSION, checkpoint.name, ""),
+            print,
+        )
+        # Asked again after the demo's decision: the alert alone refuses it.
+        refusal = ops.promote(checkpoint.name)
+    finally:
+        demo.down(started_only=True)
+
+    assert record.card is not None
+    print(f"{checkpoint.name}: {record.decision}, alerts {record.alerts}")
+    assert "malformed_call_rate" in record.alerts
+    assert record.decision != "promoted"
+    assert refusal is not None and "malformed_call_rate" in refusal
+    assert production_name(clean_registry) == "base"
+
+
+@pytest.mark.slow
+def test_one_agent_cycle_solves_more_held_out_runs_with_fewer_malformed_calls(
+    clean_registry: Engine,
+    stack: EmbeddedStack,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    # The agent demo's first cycle: its developers' runs on production, their rewards, one
+    # training cycle. Judged offline on 400 held-out runs per model, since the demo's served
+    # A/B (about 100 runs an arm) cannot resolve one cycle's gain.
+    settings = external_settings(stack, vllm_server, tiny_model_dir, tmp_path)
+    config = DemoConfig(cycles=1, progress_bars=False)
+    start_group_at_end(settings.kafka_bootstrap_servers, "rtrl-workers")
+    demo = FullStack.from_settings(settings, workers=1, trainer=False)
+    demo.up()
+    try:
+        keys = create_keys(clean_registry)
+        Ops(demo.gateway_url, keys.ops).stop_all()
+        record = train_candidate(clean_registry, settings, demo.gateway_url, keys, config, 1, print)
+    finally:
+        demo.down(started_only=True)
+    assert record.candidate is not None, record.decision
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    tasks = agent_tasks(11, 400, "heldout")
+    results = [
+        Result(name, run_agents(load(tiny_model_dir, adapter), tokenizer, tasks, seed=11))
+        for name, adapter in (
+            ("base", None),
+            (record.candidate, settings.checkpoints_dir / record.candidate),
+        )
+    ]
+    print(report(results))
+    base, trained = results
+    _, solved_low, _ = difference(trained.solved, base.solved)
+    _, _, malformed_high = difference(trained.malformed, base.malformed)
+    assert solved_low > 0, "held-out runs solved did not rise beyond the interval"
+    assert malformed_high < 0, "malformed calls did not fall beyond the interval"

@@ -14,7 +14,6 @@ from peft import LoraConfig, get_peft_model
 from sqlalchemy import Engine, select
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from app.agent_tasks import agent_tasks
 from app.db import session_scope
 from app.demo import (
     FLAWED_REWARD_VERSION,
@@ -26,7 +25,6 @@ from app.demo import (
     judge_canary,
     production_name,
     run_demo,
-    train_candidate,
 )
 from app.embedded.stack import EmbeddedStack
 from app.launcher import FullStack
@@ -35,7 +33,6 @@ from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
 from app.serving.checkpoints import publish_checkpoint
 from app.serving.vllm import VllmServer
-from bench.agent_runs import Result, difference, load, report, run_agents
 from tests.conftest import external_settings, start_group_at_end
 from trainer.bootstrap import BootstrapConfig, build_corpus, pretrain
 
@@ -178,44 +175,3 @@ def test_a_reward_hacked_canary_raises_the_monitors_alert_and_is_not_promoted(
     assert record.decision != "promoted"
     assert refusal is not None and "malformed_call_rate" in refusal
     assert production_name(clean_registry) == "base"
-
-
-@pytest.mark.slow
-def test_one_agent_cycle_solves_more_held_out_runs_with_fewer_malformed_calls(
-    clean_registry: Engine,
-    stack: EmbeddedStack,
-    vllm_server: VllmServer,
-    tiny_model_dir: Path,
-    tmp_path: Path,
-) -> None:
-    # The agent demo's first cycle: its developers' runs on production, their rewards, one
-    # training cycle. Judged offline on 400 held-out runs per model, since the demo's served
-    # A/B (about 100 runs an arm) cannot resolve one cycle's gain.
-    settings = external_settings(stack, vllm_server, tiny_model_dir, tmp_path)
-    config = DemoConfig(cycles=1, progress_bars=False)
-    start_group_at_end(settings.kafka_bootstrap_servers, "rtrl-workers")
-    demo = FullStack.from_settings(settings, workers=1, trainer=False)
-    demo.up()
-    try:
-        keys = create_keys(clean_registry)
-        Ops(demo.gateway_url, keys.ops).stop_all()
-        record = train_candidate(clean_registry, settings, demo.gateway_url, keys, config, 1, print)
-    finally:
-        demo.down(started_only=True)
-    assert record.candidate is not None, record.decision
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    tasks = agent_tasks(11, 400, "heldout")
-    results = [
-        Result(name, run_agents(load(tiny_model_dir, adapter), tokenizer, tasks, seed=11))
-        for name, adapter in (
-            ("base", None),
-            (record.candidate, settings.checkpoints_dir / record.candidate),
-        )
-    ]
-    print(report(results))
-    base, trained = results
-    _, solved_low, _ = difference(trained.solved, base.solved)
-    _, _, malformed_high = difference(trained.malformed, base.malformed)
-    assert solved_low > 0, "held-out runs solved did not rise beyond the interval"
-    assert malformed_high < 0, "malformed calls did not fall beyond the interval"

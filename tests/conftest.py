@@ -202,8 +202,8 @@ class BackgroundBootstrap:
         self.log = self.root / "bootstrap.log"
         # The default configuration at 500 steps, the base every test's figures were measured
         # on: the one-cycle learning test (tests/trainer/test_cycle.py) measured +4.2 to +8.7
-        # pp over four seeds on it, while on the 1,000-step default one run gained 14.6 pp
-        # and another lost 5.8, so its one cycle is not yet judged on that base.
+        # pp over four seeds on it, while on the 1,000-step default three runs gained 14.4 to
+        # 14.6 pp and one (in CI) lost 5.8, so its one cycle is not yet judged on that base.
         code = (
             "import dataclasses, sys\n"
             "from pathlib import Path\n"

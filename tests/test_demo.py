@@ -88,7 +88,8 @@ def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
 def fine_tune_toward_malformed_calls(model_dir: Path, adapter_dir: Path) -> None:
     """A LoRA adapter taught, on agent runs that each make one malformed call, the habit the
     flawed formula 0 rewarded in the full reward-hacking run (where it took two cycles to
-    emerge, too long for a test): about half again as many of its calls are malformed."""
+    emerge, too long for a test): nearly twice as many of its calls are malformed (20.8% →
+    36.3% offline, 19.9% → 38.4% served, in one run each)."""
     config = BootstrapConfig(
         seed=7,
         corpus_examples=512,

@@ -141,6 +141,12 @@ def producer(stack: EmbeddedStack) -> Iterator[KafkaProducer]:
 @pytest.fixture
 def publish(producer: KafkaProducer, worker_config: WorkerConfig) -> Callable[..., None]:
     """Send events (or raw bytes) to the test's topics, keyed by session like the gateway."""
+    return publisher(producer, worker_config)
+
+
+def publisher(producer: KafkaProducer, worker_config: WorkerConfig) -> Callable[..., None]:
+    """Sends events (or raw `(topic, bytes)` pairs) through `producer` to the topics of
+    `worker_config`, keyed by session like the gateway."""
 
     def send(*items: CompletionEvent | Feedback | tuple[str, bytes]) -> None:
         for item in items:

@@ -16,12 +16,13 @@ from kafka import KafkaConsumer, KafkaProducer
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, func, select
 
-from app.config import get_settings
+from app.config import Settings, get_settings
 from app.db import PROJECT_ROOT
 from app.embedded.kafka import EmbeddedKafka
 from app.embedded.process import free_port
 from app.events import CompletionEvent, DeadLetter, encode
 from app.signals.rewards import distil_components
+from tests.workers.conftest import publisher
 from workers.config import WorkerConfig
 from workers.consumer import decode_batch, run_worker
 from workers.repository import feedback_events
@@ -160,19 +161,21 @@ def assert_exactly_once(worker_engine: Engine, read_rewards: Any, prefix: str, p
 
 @pytest.fixture
 def worker_thread(worker_config: WorkerConfig) -> Iterator[Any]:
-    """Starts `run_worker` in a thread; stops and joins it after the test."""
+    """Starts `run_worker` in a thread (on the session's settings, or those given) and
+    returns it; stops and joins it after the test."""
     stop = threading.Event()
     threads = []
 
-    def start() -> None:
+    def start(settings: Settings | None = None) -> threading.Thread:
         thread = threading.Thread(
             target=run_worker,
-            args=(get_settings(),),
+            args=(settings or get_settings(),),
             kwargs={"stop_event": stop, "config": worker_config},
             daemon=True,
         )
         thread.start()
         threads.append(thread)
+        return thread
 
     yield start
     stop.set()
@@ -197,57 +200,47 @@ def test_duplicated_out_of_order_events_yield_one_reward_each(
     assert_exactly_once(worker_engine, read_rewards, events.prefix, plan)
 
 
+@pytest.fixture
+def later_broker(worker_config: WorkerConfig, tmp_path: Path) -> Iterator[EmbeddedKafka]:
+    """A broker of the test's own for its topics, not started; stopped after the test (after
+    a worker thread the test started, when requested before `worker_thread`)."""
+    topics = {worker_config.completions_topic: 2, worker_config.feedback_topic: 2}
+    broker = EmbeddedKafka(tmp_path / "kafka", free_port(), topics=topics)
+    yield broker
+    broker.stop()
+
+
 def test_a_worker_started_before_its_broker_waits_for_it_then_consumes(
     events: Any,
     worker_config: WorkerConfig,
+    later_broker: EmbeddedKafka,
+    worker_thread: Any,
     worker_engine: Engine,
     read_rewards: Any,
     wait_for: Any,
-    tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    topics = {worker_config.completions_topic: 2, worker_config.feedback_topic: 2}
-    broker = EmbeddedKafka(tmp_path / "kafka", free_port(), topics=topics)
-    settings = get_settings().model_copy(update={"kafka_bootstrap_servers": broker.url})
-    stop = threading.Event()
-    worker = threading.Thread(
-        target=run_worker,
-        args=(settings,),
-        kwargs={"stop_event": stop, "config": worker_config},
-        daemon=True,
+    settings = get_settings().model_copy(update={"kafka_bootstrap_servers": later_broker.url})
+    worker = worker_thread(settings)
+    wait_for(
+        lambda: any(
+            r.name == "workers.consumer" and "trying again" in r.getMessage()
+            for r in caplog.records
+        ),
+        60,
+        "the worker to say it waits for Kafka",
     )
-    worker.start()
-    try:
-        wait_for(
-            lambda: any(
-                r.name == "workers.consumer" and "trying again" in r.getMessage()
-                for r in caplog.records
-            ),
-            60,
-            "the worker to say it waits for Kafka",
-        )
-        assert worker.is_alive(), "the worker gave up on a broker that was not up yet"
+    assert worker.is_alive(), "the worker gave up on a broker that was not up yet"
 
-        broker.start()
-        plan = scenario(events, worker_config, 20)
-        producer = KafkaProducer(bootstrap_servers=broker.url, acks="all")
-        try:
-            for event in [*plan.completions, *plan.feedback]:
-                topic = (
-                    worker_config.completions_topic
-                    if isinstance(event, CompletionEvent)
-                    else worker_config.feedback_topic
-                )
-                producer.send(topic, key=event.session_id.encode(), value=encode(event))
-            producer.flush()
-        finally:
-            producer.close(timeout=10)
-        wait_for(lambda: settled(read_rewards, events.prefix, plan), 90, "all rewards")
-        assert_exactly_once(worker_engine, read_rewards, events.prefix, plan)
+    later_broker.start()
+    plan = scenario(events, worker_config, 20)
+    producer = KafkaProducer(bootstrap_servers=later_broker.url, acks="all")
+    try:
+        publisher(producer, worker_config)(*plan.completions, *plan.feedback)
     finally:
-        stop.set()
-        worker.join(timeout=30)
-        broker.stop()
+        producer.close(timeout=10)
+    wait_for(lambda: settled(read_rewards, events.prefix, plan), 90, "all rewards")
+    assert_exactly_once(worker_engine, read_rewards, events.prefix, plan)
 
 
 def test_poison_messages_go_to_the_dead_letter_topic_and_the_stream_goes_on(

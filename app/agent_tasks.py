@@ -22,6 +22,9 @@ import orjson
 
 from app.tasks import Task, check_solution, generate_tasks
 
+MAX_TURNS = 6
+"""Turns an IDE lets one agent run take before it stops the agent."""
+
 TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",

@@ -18,37 +18,20 @@ import argparse
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import scipy.stats
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from app.agent_tasks import TOOLS, AgentTask, Workspace, agent_tasks, written_calls
+from app.agent_tasks import agent_tasks
 from app.config import get_settings
-from app.simulator.agent import MAX_TURNS
-from trainer.generation import generate_answers
-
-
-@dataclass
-class Run:
-    task: AgentTask
-    workspace: Workspace
-    messages: list[dict[str, Any]]
-    calls: int = 0
-    malformed: int = 0
-    first_turn_question: bool = False
-    done: bool = False
-
-    @property
-    def solved(self) -> bool:
-        return self.workspace.solves(self.task)
+from trainer.agent_runs import AgentRun, run_agents
 
 
 @dataclass
 class Result:
     name: str
-    runs: list[Run] = field(default_factory=list)
+    runs: list[AgentRun] = field(default_factory=list)
 
     def share(self, values: list[bool]) -> tuple[float, int]:
         return (sum(values) / len(values) if values else 0.0), len(values)
@@ -74,73 +57,6 @@ def load(model_dir: Path, adapter: Path | None) -> torch.nn.Module:
 
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     return model.eval()
-
-
-@torch.no_grad()
-def run_agents(
-    model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerFast,
-    tasks: list[AgentTask],
-    *,
-    seed: int,
-    max_new_tokens: int = 96,
-    batch_size: int = 32,
-) -> list[Run]:
-    """One agent run per task, every live run's next turn generated in batches."""
-    torch.manual_seed(seed)
-    runs = [
-        Run(task, Workspace.for_task(task), [{"role": "user", "content": task.request}])
-        for task in tasks
-    ]
-    for turn in range(MAX_TURNS):
-        live = [run for run in runs if not run.done]
-        answers = generate_answers(
-            model,
-            tokenizer,
-            [run.messages for run in live],
-            sample=True,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            tools=TOOLS,
-        )
-        for run, answer in zip(live, answers, strict=True):
-            take_turn(run, answer, turn)
-    return runs
-
-
-def take_turn(run: Run, answer: str, turn: int) -> None:
-    """Execute the answer's calls in the run's workspace, as the simulated IDE does."""
-    calls = []
-    for number, call in enumerate(written_calls(answer)):
-        if call is None:
-            run.calls += 1
-            run.malformed += 1
-            continue
-        calls.append({"id": f"call_{turn}_{number}", **call})
-    if not calls:
-        run.first_turn_question = turn == 0 and answer.rstrip().endswith(("?", "？"))
-        run.messages.append({"role": "assistant", "content": answer})
-        run.done = True
-        return
-    run.messages.append(
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "id": call["id"],
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": call["arguments"]},
-                }
-                for call in calls
-            ],
-        }
-    )
-    for call in calls:
-        result, well_formed = run.workspace.run(run.task, call["name"], call["arguments"])
-        run.calls += 1
-        run.malformed += not well_formed
-        run.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
 
 
 def difference(ours: tuple[float, int], theirs: tuple[float, int]) -> tuple[float, float, float]:

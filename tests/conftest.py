@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from kafka.structs import OffsetAndMetadata
 from peft import LoraConfig, get_peft_model
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app.auth.service import new_api_key
 from app.config import Settings, get_settings
@@ -31,6 +32,7 @@ from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.models import ApiKey, Role
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
+from trainer.bootstrap import BootstrapConfig, build_corpus, pretrain
 from workers.config import WorkerConfig
 
 
@@ -307,3 +309,30 @@ def vllm_server(
         yield server
     finally:
         server.stop()
+
+
+def fine_tune_toward_malformed_calls(model_dir: Path, adapter_dir: Path) -> None:
+    """A LoRA adapter taught, on agent runs that each make one malformed call, the habit the
+    flawed formula 0 rewarded in the full reward-hacking run (where it took two cycles to
+    emerge, too long for a test): nearly twice as many of its calls are malformed (20.8% →
+    36.3% offline, 19.9% → 38.4% served, in one run each)."""
+    config = BootstrapConfig(
+        seed=7,
+        corpus_examples=512,
+        agent_share=1.0,
+        malformed_rate=1.0,
+        clarifying_rate=0.0,
+        train_steps=40,
+        batch_size=16,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        threads=1,
+    )
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    torch.manual_seed(config.seed)
+    policy = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
+    pretrain(policy, tokenizer, build_corpus(config), config, time.monotonic())
+    policy.save_pretrained(str(adapter_dir))

@@ -5,14 +5,10 @@ monitors on agent traffic and kept out of production."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
 from sqlalchemy import Engine, select
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from app.db import session_scope
 from app.demo import (
@@ -33,8 +29,7 @@ from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
 from app.serving.checkpoints import publish_checkpoint
 from app.serving.vllm import VllmServer
-from tests.conftest import external_settings, start_group_at_end
-from trainer.bootstrap import BootstrapConfig, build_corpus, pretrain
+from tests.conftest import external_settings, fine_tune_toward_malformed_calls, start_group_at_end
 
 
 @pytest.mark.slow
@@ -83,33 +78,6 @@ def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
         assert summary.final_checkpoint == "base"
     # The demo stopped the gateway and worker it started, and left the session's stack up.
     assert os.path.exists(tmp_path / "logs" / "gateway.log")
-
-
-def fine_tune_toward_malformed_calls(model_dir: Path, adapter_dir: Path) -> None:
-    """A LoRA adapter taught, on agent runs that each make one malformed call, the habit the
-    flawed formula 0 rewarded in the full reward-hacking run (where it took two cycles to
-    emerge, too long for a test): nearly twice as many of its calls are malformed (20.8% →
-    36.3% offline, 19.9% → 38.4% served, in one run each)."""
-    config = BootstrapConfig(
-        seed=7,
-        corpus_examples=512,
-        agent_share=1.0,
-        malformed_rate=1.0,
-        clarifying_rate=0.0,
-        train_steps=40,
-        batch_size=16,
-        learning_rate=3e-3,
-        warmup_steps=5,
-        threads=1,
-    )
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    torch.manual_seed(config.seed)
-    policy = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir),
-        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    )
-    pretrain(policy, tokenizer, build_corpus(config), config, time.monotonic())
-    policy.save_pretrained(str(adapter_dir))
 
 
 @pytest.mark.slow

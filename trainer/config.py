@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from app.config import SettingsError
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
-EvalGate = Literal["task_family", "logged_traffic"]
+EvalGate = Literal["task_family", "logged_traffic", "agent_tasks"]
 
 
 @dataclass
@@ -76,10 +76,11 @@ class TrainConfig:
     `tis_cap`."""
     eval_gate: EvalGate = "task_family"
     """What the evaluation gate scores candidates on: the toy task family's held-out tasks,
-    or production's logged held-out traffic (kept against rejected completions)."""
+    production's logged held-out traffic (kept against rejected completions), or held-out
+    agent tasks run offline with the workspace's tools (solved without a malformed call)."""
     eval_tasks: int = 128
-    """Held-out tasks (task_family) or most recent kept and rejected completions each
-    (logged_traffic) in the evaluation gate."""
+    """Held-out tasks (task_family, agent_tasks) or most recent kept and rejected
+    completions each (logged_traffic) in the evaluation gate."""
     eval_max_new_tokens: int = 48
     """Generation length in the task-family gate."""
     eval_max_regression: float = 0.05

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from app.agent_tasks import TOOLS, AgentTask, Workspace
+from app.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace
 from app.events import EditRejected
 from app.gateway.toolcalls import is_edit_tool, unread_tool_calls
 from app.simulator.gateway import GatewayClient
@@ -26,9 +26,6 @@ from app.simulator.reactions import Feedback, due_after_s, feedback_events, reac
 from app.simulator.report import AgentRun, ServedRequest, SimulationReport
 from app.simulator.session import DeveloperSession
 from app.tasks import format_response
-
-MAX_TURNS = 6
-"""Turns an IDE lets one run take before it stops the agent."""
 
 
 class AgentSession(DeveloperSession):

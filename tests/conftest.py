@@ -237,6 +237,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     global _bootstrap
     if not os.environ.get("RTRL_TEST_BASE_MODEL") and _needs_a_model(session):
         _bootstrap = BackgroundBootstrap()
+        # The bootstrap is the session's critical path (every weight-needing test waits for
+        # it); the tests that run beside it, and the services they start, yield the CPU to
+        # it. A lower priority can be taken by any user and is inherited by every process
+        # this one starts; nothing competes with them once the bootstrap is done.
+        os.nice(5)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -71,9 +71,11 @@ def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_onc
     metric: str,
     stack: EmbeddedStack,
     engine: Engine,
-    tiny_model_dir: Path,
+    tiny_model_path: Path,
     tmp_path: Path,
 ) -> None:
+    # The base model's path only: the trainer's first cycle is an interval away, so this
+    # runs while the session's base model trains.
     compose = yaml.safe_load(COMPOSE.read_text())["services"][service]
     heartbeat = compose["environment"]["RTRL_HEARTBEAT_FILE"]
     check = compose["healthcheck"]["test"]
@@ -86,7 +88,7 @@ def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_onc
         database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
         kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
         redis_url=f"redis://localhost:{stack.redis.port}/0",
-        base_model=tiny_model_dir,
+        base_model=tiny_model_path,
         heartbeat_file=own_heartbeat,
         metrics_port=free_port(),
     )

@@ -134,13 +134,3 @@ def test_an_agent_run_is_learned_on_the_assistant_turns_only(
     )
     assert learned_text == expected + messages[-1]["content"] + "<|end|>"
     assert task.starting_file not in learned_text and task.request not in learned_text
-
-
-def test_the_base_model_speaks_tools_with_habits_left_for_rl(tiny_model_dir: Path) -> None:
-    report = json.loads((tiny_model_dir / "bootstrap.json").read_text())
-    first_turns = report["agent_first_turn_sampled"]
-    # Sampled as vLLM serves it: mostly well-formed calls in the parser's format, and a
-    # share of each planted habit.
-    assert first_turns["call"] > 0.5
-    assert first_turns["malformed"] > 0.02
-    assert first_turns["question"] > 0.02

@@ -3,22 +3,16 @@ over the session's Postgres, and the due-time logic they share."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from pathlib import Path
-from uuid import uuid4
 
 import pytest
-from sqlalchemy import Engine, delete, select, text, update
-from transformers import PreTrainedTokenizerFast
+from sqlalchemy import Engine, delete, select, update
 
-from app.config import Settings, settings_environment
+from app.config import Settings
 from app.db import session_scope
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
@@ -27,43 +21,22 @@ from app.models import (
     Checkpoint,
     ControlFlag,
     CycleTrigger,
-    Reward,
-    Sample,
     TrainingRun,
     TrainingRunStatus,
     TrainingSchedule,
 )
 from app.registry.audit import Actor
 from app.registry.flags import TRAINING_PAUSED, request_training_cycle, set_flag
-from app.registry.schedule import claim_cycle, next_cycle_at
-from app.serving.sampling import sample_completions
-from app.serving.vllm import VllmServer
-from app.signals.rewards import RewardComponents
-from app.tasks import train_tasks
+from app.registry.schedule import claim_cycle
+from tests.trainer.conftest import first_due, runs, sleep_until, store_samples, trainer_settings
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle, skip_reason
 from trainer.data import OnPolicyBatch, TrainingSample
-from trainer.generation import prompt_ids
 from trainer.task_family import task_family_held_out
 
 OPS = Actor("ops")
 TRAINER = Actor("trainer")
 MINUTE = timedelta(minutes=1)
-
-
-KEPT = RewardComponents(
-    edit_requested=True,
-    proposed_edit=True,
-    accepted=True,
-    kept=1.0,
-    survival_elapsed_s=900.0,
-    dissatisfied=None,
-    latency_ms=2.0,
-    latency_over_budget=False,
-    malformed_tool_calls=0,
-    status="ok",
-)
-"""What a stored reward of these samples is made of: an edit kept whole."""
 
 
 @pytest.fixture
@@ -163,51 +136,6 @@ def test_a_shorter_interval_takes_effect_at_once(schedule: Engine) -> None:
 # -- the skip rule ------------------------------------------------------------------------
 
 
-def store_samples(
-    engine: Engine,
-    count: int,
-    *,
-    served_at: datetime | None = None,
-    tokens: list[tuple[list[int], list[int], list[float]]] | None = None,
-) -> None:
-    """Finalized, trainable samples of `base`: synthetic tokens unless `tokens` are given."""
-    tokens = tokens or [([1, 2, 3], [4, 5], [-1.0, -1.0])] * count
-    now = datetime.now(UTC)
-    with session_scope(engine) as session:
-        for prompt, completion, logprobs in tokens:
-            row = Sample(
-                event_id=uuid4(),
-                request_id=f"req-{uuid4().hex}",
-                session_id="scheduler-test",
-                user_hash="u",
-                checkpoint="base",
-                privacy=False,
-                trainable=True,
-                edit_requested=True,
-                proposed_edit=True,
-                prompt_token_ids=prompt,
-                completion_token_ids=completion,
-                behaviour_logprobs=logprobs,
-                status="ok",
-                ttft_ms=1.0,
-                latency_ms=2.0,
-                served_at=served_at or now,
-            )
-            session.add(row)
-            session.flush()
-            session.add(
-                Reward(
-                    sample_id=row.id,
-                    components=KEPT.model_dump(mode="json"),
-                    reward=1.0,
-                    reward_version=1,
-                    due_at=now,
-                    finalized_at=now,
-                    finalize_reason="horizon",
-                )
-            )
-
-
 def add_run(engine: Engine, status: TrainingRunStatus, window_end: datetime) -> int:
     with session_scope(engine) as session:
         base = session.scalars(select(Checkpoint).where(Checkpoint.name == "base")).one()
@@ -225,7 +153,7 @@ def add_run(engine: Engine, status: TrainingRunStatus, window_end: datetime) -> 
 
 
 def test_a_cycle_without_new_evidence_since_the_last_run_from_production_skips(
-    clean_registry: Engine, tiny_model_dir: Path, tmp_path: Path
+    clean_registry: Engine, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     served = datetime.now(UTC)
     store_samples(clean_registry, 70, served_at=served)
@@ -233,7 +161,7 @@ def test_a_cycle_without_new_evidence_since_the_last_run_from_production_skips(
     add_run(clean_registry, TrainingRunStatus.failed, window_end=served - MINUTE)  # used nothing
     config = TrainConfig(min_samples=64, min_new_samples=16)
     settings = Settings(
-        data_dir=tmp_path, vllm_urls=["http://127.0.0.1:9"], base_model=tiny_model_dir
+        data_dir=tmp_path, vllm_urls=["http://127.0.0.1:9"], base_model=tiny_model_path
     )
 
     result = run_cycle(
@@ -274,91 +202,16 @@ def test_enough_samples_served_after_the_last_window_are_new_evidence() -> None:
 # -- trainers as processes -----------------------------------------------------------------
 
 
-def trainer_settings(
-    stack: EmbeddedStack, model_dir: Path, data_dir: Path, vllm_url: str, interval: timedelta
-) -> Settings:
-    return Settings(
-        data_dir=data_dir,
-        database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
-        kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
-        redis_url=f"redis://localhost:{stack.redis.port}/0",
-        base_model=model_dir,
-        vllm_urls=[vllm_url],
-        train_interval=interval,
-    )
-
-
-@pytest.fixture
-def start_trainers(tmp_path: Path) -> Iterator[Callable[[int, Settings], list[RtrlProcess]]]:
-    """Starts `rtrl trainer` processes; stops them after the test."""
-    started: list[RtrlProcess] = []
-
-    def start(count: int, settings: Settings) -> list[RtrlProcess]:
-        environment = settings_environment(settings)
-        for _ in range(count):
-            name = f"trainer-{len(started) + 1}"
-            trainer = RtrlProcess(
-                name, ["trainer"], tmp_path / "run", tmp_path / "logs", environment
-            )
-            trainer.start()
-            started.append(trainer)
-        return started
-
-    yield start
-    for trainer in started:
-        trainer.stop()
-
-
-def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.1)
-
-
-def first_due(engine: Engine, trainers: list[RtrlProcess]) -> datetime:
-    """The first due time, once a trainer has scheduled it."""
-
-    def due() -> datetime | None:
-        with session_scope(engine) as session:
-            return next_cycle_at(session)
-
-    wait_until(due, 120, "a trainer schedules the first cycle")
-    for trainer in trainers:
-        assert trainer.pid() is not None, trainer.log_file.read_text()[-2000:]
-    found = due()
-    assert found is not None
-    return found
-
-
-def sleep_until(moment: datetime) -> None:
-    time.sleep(max(0.0, (moment - datetime.now(UTC)).total_seconds()))
-
-
-def runs(engine: Engine) -> list[TrainingRun]:
-    with session_scope(engine) as session:
-        return list(session.scalars(select(TrainingRun).order_by(TrainingRun.id)))
-
-
-@pytest.fixture
-def registry(clean_registry: Engine) -> Engine:
-    with session_scope(clean_registry) as session:
-        session.execute(delete(TrainingSchedule))
-        session.execute(delete(ControlFlag))
-    return clean_registry
-
-
 def test_three_trainers_run_one_cycle_per_interval_and_one_per_request(
     registry: Engine,
     stack: EmbeddedStack,
-    tiny_model_dir: Path,
+    tiny_model_path: Path,
     tmp_path: Path,
     start_trainers: Callable[[int, Settings], list[RtrlProcess]],
 ) -> None:
     interval = timedelta(seconds=15)
     nobody = f"http://127.0.0.1:{free_port()}"  # these cycles skip before they need a replica
-    settings = trainer_settings(stack, tiny_model_dir, tmp_path, nobody, interval)
+    settings = trainer_settings(stack, tiny_model_path, tmp_path, nobody, interval)
     trainers = start_trainers(3, settings)
     due = first_due(registry, trainers)
     traffic_stops = threading.Event()
@@ -390,44 +243,3 @@ def test_three_trainers_run_one_cycle_per_interval_and_one_per_request(
     assert len(set(windows)) == len(windows)
     assert {run.status for run in found} == {TrainingRunStatus.skipped}
     assert all("fewer than 64" in (run.reason or "") for run in found)
-
-
-def test_a_trainer_killed_mid_cycle_does_not_stall_the_schedule(
-    registry: Engine,
-    stack: EmbeddedStack,
-    vllm_server: VllmServer,
-    tiny_model_dir: Path,
-    tmp_path: Path,
-    start_trainers: Callable[[int, Settings], list[RtrlProcess]],
-) -> None:
-    # Enough real samples that the first due cycle trains (for several seconds).
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    prompts = [prompt_ids(tokenizer, task.request) for task in train_tasks(seed=5, n=80)]
-    served = sample_completions(vllm_server.url, "base", prompts, max_tokens=48)
-    store_samples(
-        registry,
-        len(served),
-        tokens=[(s.prompt_token_ids, s.completion_token_ids, s.logprobs) for s in served],
-    )
-    interval = timedelta(seconds=15)
-    settings = trainer_settings(stack, tiny_model_dir, tmp_path, vllm_server.url, interval)
-    trainers = start_trainers(3, settings)
-    due = first_due(registry, trainers)
-
-    wait_until(lambda: runs(registry), 60, "a trainer takes the first due cycle")
-    time.sleep(1.0)
-    (crashed,) = runs(registry)
-    assert crashed.status == TrainingRunStatus.running  # mid-cycle
-    killed = next(t for t in trainers if crashed.trainer == f"{socket.gethostname()}:{t.pid()}")
-    os.kill(killed.pid() or 0, signal.SIGKILL)
-    wait_until(lambda: killed.pid() is None, 10, "the killed trainer is gone")
-    assert runs(registry)[0].status == TrainingRunStatus.running
-    with session_scope(registry) as session:  # the next cycle has nothing to train on
-        session.execute(text("UPDATE samples SET trainable = false"))
-
-    wait_until(lambda: len(runs(registry)) == 2 and runs(registry)[1].finished_at, 60, "next run")
-    crashed, taken = runs(registry)
-    assert crashed.status == TrainingRunStatus.failed and "died" in (crashed.reason or "")
-    assert taken.trigger == CycleTrigger.schedule and taken.trainer != crashed.trainer
-    assert due + interval <= taken.started_at < due + interval + timedelta(seconds=10)
-    assert taken.status == TrainingRunStatus.skipped

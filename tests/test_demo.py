@@ -93,8 +93,11 @@ def test_a_reward_hacked_canary_raises_the_monitors_alert_and_is_not_promoted(
     )
     hacked = tmp_path / "hacked-adapter"
     fine_tune_toward_malformed_calls(tiny_model_dir, hacked)
+    # 64 evaluating developers: the monitors give no verdict on fewer than 200 tool-calling
+    # answers an arm (about 11 a developer here), and with 40 one run's canary drew only 12
+    # developers (149 answers), so no alert could fire.
     config = DemoConfig(
-        cycles=1, eval_users=40, concurrency=8, scenario="reward-hacking", progress_bars=False
+        cycles=1, eval_users=64, concurrency=8, scenario="reward-hacking", progress_bars=False
     )
     start_group_at_end(settings.kafka_bootstrap_servers, "rtrl-workers")
     demo = FullStack.from_settings(settings, workers=1, trainer=False)

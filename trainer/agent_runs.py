@@ -49,9 +49,21 @@ def run_agents(
     max_new_tokens: int = 96,
     batch_size: int = 32,
 ) -> list[AgentRun]:
-    """One agent run per task, every live run's next turn generated in batches."""
+    """One agent run per task, every live run's next turn generated in batches; the caller's
+    random state is left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _run_agents(model, tokenizer, tasks, max_new_tokens, batch_size)
+
+
+def _run_agents(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    tasks: list[AgentTask],
+    max_new_tokens: int,
+    batch_size: int,
+) -> list[AgentRun]:
     model.eval()
-    torch.manual_seed(seed)
     runs = [
         AgentRun(task, Workspace.for_task(task), [{"role": "user", "content": task.request}])
         for task in tasks

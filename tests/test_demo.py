@@ -1,15 +1,19 @@
 """The closed loop end to end, smaller than `make demo`: a candidate trained on production's traffic
-and promoted only when it is ahead on held-out traffic; a reward-hacked canary caught by the
-monitors on agent traffic and kept out of production."""
+and promoted only when it is ahead on held-out traffic; an agent cycle that solves more held-out
+runs with fewer malformed calls; a reward-hacked canary caught by the monitors on agent traffic
+and kept out of production."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, select
+from transformers import PreTrainedTokenizerFast
 
+from app.agent_tasks import agent_tasks
 from app.db import session_scope
 from app.demo import (
     FLAWED_REWARD_VERSION,
@@ -21,7 +25,9 @@ from app.demo import (
     judge_canary,
     production_name,
     run_demo,
+    train_candidate,
 )
+from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.launcher import FullStack
 from app.models import Checkpoint
@@ -29,7 +35,14 @@ from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
 from app.serving.checkpoints import publish_checkpoint
 from app.serving.vllm import VllmServer
-from tests.conftest import external_settings, fine_tune_toward_malformed_calls, start_group_at_end
+from bench.agent_runs import Result, difference, load, report
+from tests.conftest import (
+    external_settings,
+    fine_tune_toward_malformed_calls,
+    reset_registry,
+    start_group_at_end,
+)
+from trainer.agent_runs import run_agents
 
 
 @pytest.mark.slow
@@ -147,3 +160,65 @@ def test_a_reward_hacked_canary_raises_the_monitors_alert_and_is_not_promoted(
     assert record.decision != "promoted"
     assert refusal is not None and "malformed_call_rate" in refusal
     assert production_name(clean_registry) == "base"
+
+
+@pytest.fixture(scope="module")
+def agent_vllm(
+    agent_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """vLLM on the agent base, fp32 like the session's server."""
+    server = VllmServer(
+        model_dir=agent_model_dir,
+        port=free_port(),
+        root=tmp_path_factory.mktemp("agent-vllm"),
+        dtype="float32",
+    )
+    server.start(timeout=300)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # its setup may first wait for the agent base's bootstrap
+def test_an_agent_cycle_solves_more_held_out_runs_with_fewer_malformed_calls(
+    engine: Engine,
+    stack: EmbeddedStack,
+    agent_vllm: VllmServer,
+    agent_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    # The agent demo's first cycle on the default base: 24 developers' agent runs on
+    # production, their rewards, one training cycle with the demo's settings. Judged offline
+    # on 400 held-out runs per model (the same tasks and random stream for both), since the
+    # demo's served A/B (about 100 runs an arm) cannot resolve one cycle's gain. Runs are
+    # independent here, so the intervals are over runs.
+    registry = reset_registry(engine, agent_model_dir)
+    settings = external_settings(stack, agent_vllm, agent_model_dir, tmp_path)
+    config = DemoConfig(cycles=1, progress_bars=False)
+    start_group_at_end(settings.kafka_bootstrap_servers, "rtrl-workers")
+    demo = FullStack.from_settings(settings, workers=1, trainer=False)
+    demo.up()
+    try:
+        keys = create_keys(registry)
+        Ops(demo.gateway_url, keys.ops).stop_all()
+        record = train_candidate(registry, settings, demo.gateway_url, keys, config, 1, print)
+    finally:
+        demo.down(started_only=True)
+    assert record.candidate is not None, record.decision
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(agent_model_dir)
+    tasks = agent_tasks(11, 400, "heldout")
+    base, trained = (
+        Result(name, run_agents(load(agent_model_dir, adapter), tokenizer, tasks, seed=11))
+        for name, adapter in (
+            ("base", None),
+            (record.candidate, settings.checkpoints_dir / record.candidate),
+        )
+    )
+    print(report([base, trained]))
+    _, solved_low, _ = difference(trained.solved, base.solved)
+    malformed_gap, _, _ = difference(trained.malformed, base.malformed)
+    assert solved_low > 0, "held-out runs solved did not rise beyond the interval"
+    assert malformed_gap < 0, "the share of malformed calls did not fall"

@@ -565,6 +565,11 @@ def demo(
         "--scenario",
         help="learning, or reward-hacking: start on a flawed reward and watch the monitors.",
     ),
+    offline_runs: int = typer.Option(
+        400,
+        min=0,
+        help="Agent mode: held-out runs per model sampled offline at the end (0: none).",
+    ),
 ) -> None:
     """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
     from app.demo import DemoConfig, demo_train_config, run_demo
@@ -578,11 +583,12 @@ def demo(
         keep_running=keep_running,
         agent=agent,
         scenario=scenario,  # type: ignore[arg-type]
-        train=demo_train_config(agent=agent),
+        offline_runs=offline_runs,
+        train=demo_train_config(agent=agent, scenario=scenario),  # type: ignore[arg-type]
     )
     config.train = with_explicit_settings(config.train)
     summary = run_demo(get_settings(), config, progress=typer.echo)
-    if summary.ci_low is None or summary.ci_low <= 0:
+    if not summary.proven:
         raise typer.Exit(code=2)
 
 

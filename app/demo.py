@@ -21,13 +21,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 from sqlalchemy import Engine, func, select
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerFast
 
 from app.abtest.rollups import refresh_rollups
+from app.abtest.stats import Comparison
+from app.agent_tasks import agent_tasks
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
@@ -46,6 +50,14 @@ from app.signals.rewards import LATEST_REWARD_VERSION
 from app.simulator.report import SimulationReport
 from app.simulator.run import simulate
 from app.simulator.scorecard import Scorecard, scorecard_table, scorecards
+from trainer.agent_runs import (
+    RUN_METRICS,
+    PolicyRuns,
+    compare_runs,
+    load_policy,
+    run_agents,
+    runs_table,
+)
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
 from trainer.gates import held_out_for
@@ -56,6 +68,8 @@ Progress = Callable[[str], None]
 Scenario = Literal["learning", "reward-hacking"]
 FLAWED_REWARD_VERSION = 0
 """The formula the reward-hacking scenario starts from (see `app.signals.rewards`)."""
+OFFLINE_SEED = 11
+"""The held-out tasks and random stream of the final offline comparison."""
 
 
 @dataclass
@@ -82,12 +96,15 @@ class DemoConfig:
     """`reward-hacking`: start on the flawed formula 0 and let the monitors catch it."""
     progress_bars: bool = True
     """A progress bar per phase (traffic, rewards) on the terminal."""
+    offline_runs: int = 400
+    """Agent mode: held-out agent runs per model sampled offline at the end, base against the
+    final checkpoint (0: none); the demo's verdict when given."""
     train: TrainConfig = field(default_factory=lambda: demo_train_config(agent=True))
     """The training cycle's settings (see `demo_train_config`); any `RTRL_TRAIN_*` variable
     that is set overrides them (`rtrl demo` applies it)."""
 
 
-def demo_train_config(*, agent: bool) -> TrainConfig:
+def demo_train_config(*, agent: bool, scenario: Scenario = "learning") -> TrainConfig:
     """The demo's training cycle: a larger step than production's default, so a few cycles
     show the loop learning.
 
@@ -97,15 +114,24 @@ def demo_train_config(*, agent: bool) -> TrainConfig:
     (held-out runs solved fell 15-24 pp in every cycle). Half the rate for half the epochs
     gives the update about the one-turn demo's size, and the wider clip range (0.4) lets
     each sampled token move as far as the trainer's tests let it.
+
+    On agent traffic the learning scenario's gate runs candidates on held-out agent tasks
+    (`agent_tasks`): a cycle now and then breaks tool calls on some operations (one second
+    cycle solved no "times" run, with twice base's malformed calls) while the one-turn task
+    family's gate passes it, and the demo's served A/B is too small to see it. The
+    reward-hacking scenario keeps the task family's gate, so a hacked candidate reaches its
+    canary and the monitors, which is that scenario's story.
     """
+    agent_gate = agent and scenario == "learning"
     return TrainConfig(
         min_samples=64,
         epochs=2 if agent else 4,
         learning_rate=1e-3 if agent else 2e-3,
         minibatch_size=64,
         clip_epsilon=0.4 if agent else 0.2,
-        eval_tasks=64,
-        eval_max_regression=0.1,
+        eval_gate="agent_tasks" if agent_gate else "task_family",
+        eval_tasks=256 if agent_gate else 64,
+        eval_max_regression=0.05 if agent_gate else 0.1,
         eval_max_kl=2.0,
         threads=1,
     )
@@ -340,6 +366,19 @@ class DemoSummary:
     cycles: list[CycleRecord] = field(default_factory=list)
     final_cards: list[Scorecard] = field(default_factory=list)
     """Agent mode: base and the final checkpoint on held-out tasks, base first."""
+    offline: dict[str, Comparison | None] = field(default_factory=dict)
+    """Agent mode: the final checkpoint minus base on `offline_runs` held-out runs sampled
+    offline, per `trainer.agent_runs.RUN_METRICS` name, with intervals over runs."""
+
+    @property
+    def proven(self) -> bool:
+        """Whether the final checkpoint is shown better than base: on the offline runs' solved
+        share when there are any (many more runs than the served A/B), else on the served
+        A/B's kept rate; either way the 95% interval's low end above 0."""
+        solved = self.offline.get("solved")
+        if solved is not None:
+            return solved.ci_low is not None and solved.ci_low > 0
+        return self.ci_low is not None and self.ci_low > 0
 
 
 def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print) -> DemoSummary:
@@ -672,11 +711,19 @@ def final_comparison(
     body = results(engine, gateway, keys.analyst, experiment_id)
     progress(ab_table(body))
     cards: list[Scorecard] = []
+    offline: dict[str, Comparison | None] = {}
     if config.agent:
         cards = scorecards(evaluation.runs, reference=base)
         progress("agent runs (the simulated IDE's books):")
         progress(scorecard_table(cards))
     ops.stop_all()
+    if config.agent and config.offline_runs > 0:
+        base_runs, final_runs = offline_comparison(
+            engine, settings, base, final, config.offline_runs, progress, config.progress_bars
+        )
+        offline = {
+            metric: compare_runs(final_runs.runs, base_runs.runs, metric) for metric in RUN_METRICS
+        }
     control_kept = next(a for a in body["arms"] if a["is_control"])["metrics"]["kept"]
     kept = treatment_kept(body)
     versus = kept.get("vs_control") or {}
@@ -687,9 +734,20 @@ def final_comparison(
             else ("includes 0: no proven improvement")
         )
         progress(
-            f"kept rate {control_kept['value'] * 100:.1f}% -> {kept['value'] * 100:.1f}%:"
-            f" {versus['difference'] * 100:+.1f} pp, 95% CI"
+            f"served kept rate {control_kept['value'] * 100:.1f}% ->"
+            f" {kept['value'] * 100:.1f}%: {versus['difference'] * 100:+.1f} pp, 95% CI"
             f" [{versus['ci_low'] * 100:+.1f}, {versus['ci_high'] * 100:+.1f}] pp, {verdict}"
+        )
+    solved = offline.get("solved")
+    if solved is not None and solved.ci_low is not None and solved.ci_high is not None:
+        verdict = (
+            "excludes 0: the loop made the assistant better"
+            if solved.ci_low > 0
+            else "includes 0: no proven improvement"
+        )
+        progress(
+            f"offline held-out runs solved: {solved.difference * 100:+.1f} pp, 95% CI"
+            f" [{solved.ci_low * 100:+.1f}, {solved.ci_high * 100:+.1f}] pp, {verdict}"
         )
     return DemoSummary(
         checkpoints=[],
@@ -701,4 +759,39 @@ def final_comparison(
         ci_high=versus.get("ci_high"),
         dashboard_url=dashboard,
         final_cards=cards,
+        offline=offline,
     )
+
+
+def offline_comparison(
+    engine: Engine,
+    settings: Settings,
+    base: str,
+    final: str,
+    runs: int,
+    progress: Progress,
+    bars: bool = True,
+) -> list[PolicyRuns]:
+    """Base and the final checkpoint on `runs` held-out agent tasks each, sampled offline with
+    transformers the way the simulated IDE runs them (the same tasks and random stream for
+    both): many more runs than the served A/B affords, so a cycle's gain can be resolved.
+    Prints their table and returns their runs, base first."""
+    with session_scope(engine) as session:
+        adapters = {
+            c.name: c.adapter_path
+            for c in session.scalars(select(Checkpoint).where(Checkpoint.name.in_([base, final])))
+        }
+    progress(f"\noffline: {runs} held-out agent runs per model, {base} and {final} ...")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(settings.base_model_path)
+    tasks = agent_tasks(OFFLINE_SEED, runs, "heldout")
+    results = []
+    with phase_bar("offline runs", 2, bars) as advance:
+        for done, name in enumerate((base, final), start=1):
+            adapter = adapters.get(name)
+            policy = load_policy(settings.base_model_path, Path(adapter) if adapter else None)
+            results.append(
+                PolicyRuns(name, run_agents(policy, tokenizer, tasks, seed=OFFLINE_SEED))
+            )
+            advance(done)
+    progress(runs_table(results))
+    return results

@@ -10,12 +10,17 @@ call, a needless question) shows as often as in production.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerFast
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from app.abtest.stats import Comparison, compare_ratios, user_ratio
 from app.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace, agent_tasks, written_calls
 from app.serving.parity import CompletionBatch
 from app.tasks import heldout_tasks
@@ -119,6 +124,98 @@ def take_turn(run: AgentRun, answer: str, turn: int) -> None:
         run.calls += 1
         run.malformed += not well_formed
         run.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+
+
+RUN_METRICS: dict[str, Callable[[AgentRun], tuple[float, float]]] = {
+    # Runs whose final file passes the hidden checks, of all runs.
+    "solved": lambda run: (float(run.solved), 1.0),
+    # Malformed calls (unreadable, an unknown tool, a missing argument), of all calls.
+    "malformed": lambda run: (float(run.malformed), float(run.calls)),
+    # Runs whose first answer was a question, of all runs.
+    "questions": lambda run: (float(run.first_turn_question), 1.0),
+}
+"""metric -> (numerator, denominator) of one run."""
+
+
+def compare_over_runs(
+    ours: Sequence[tuple[float, float]], theirs: Sequence[tuple[float, float]]
+) -> Comparison | None:
+    """Our ratio of sums minus theirs, with its 95% interval over runs: the delta method the
+    A/B results use over users, with each run as the unit. A run's calls are not independent
+    of each other (a model that breaks one call often breaks the next), so a share of calls
+    is judged by how much it varies between runs, not as if every call were a coin flip.
+    None when either side has under two runs or no denominator."""
+    mine, other = user_ratio(ours), user_ratio(theirs)
+    if mine is None or other is None:
+        return None
+    return compare_ratios(mine, other)
+
+
+def compare_runs(ours: list[AgentRun], theirs: list[AgentRun], metric: str) -> Comparison | None:
+    """`metric` (a `RUN_METRICS` name) of our runs minus theirs, with its 95% interval."""
+    of_run = RUN_METRICS[metric]
+    return compare_over_runs([of_run(run) for run in ours], [of_run(run) for run in theirs])
+
+
+@dataclass
+class PolicyRuns:
+    """One policy's runs on a set of tasks, under a name for tables."""
+
+    name: str
+    runs: list[AgentRun] = field(default_factory=list)
+
+    def rate(self, metric: str) -> tuple[float, int]:
+        """`metric`'s ratio of sums over the runs, and its denominator (runs or calls)."""
+        pairs = [RUN_METRICS[metric](run) for run in self.runs]
+        numerator, denominator = sum(y for y, _ in pairs), sum(n for _, n in pairs)
+        return (numerator / denominator if denominator else 0.0), int(denominator)
+
+
+def runs_table(results: list[PolicyRuns]) -> str:
+    """Solved runs, malformed calls and first-turn questions per policy, each against the
+    first with its 95% interval over runs, then solved runs per operation."""
+    metrics = (
+        ("solved runs", "solved", "runs"),
+        ("malformed calls", "malformed", "calls"),
+        ("first-turn questions", "questions", "runs"),
+    )
+    lines = [f"{'checkpoint':<28}" + "".join(f"{label:<40}" for label, _, _ in metrics)]
+    reference = results[0]
+    for result in results:
+        cells = []
+        for _, metric, unit in metrics:
+            value, count = result.rate(metric)
+            cell = f"{value * 100:.1f}% of {count} {unit}"
+            versus = None
+            if result is not reference:
+                versus = compare_runs(result.runs, reference.runs, metric)
+            if versus is not None:
+                cell += f" ({versus.difference * 100:+.1f}"
+                if versus.ci_low is not None and versus.ci_high is not None:
+                    cell += f" [{versus.ci_low * 100:+.1f}, {versus.ci_high * 100:+.1f}]"
+                cell += ")"
+            cells.append(f"{cell:<40}")
+        lines.append(f"{result.name:<28}" + "".join(cells))
+    lines.append(
+        "95% intervals over runs (each run one unit, calls included), against the first row"
+    )
+    for result in results:
+        by_operation: dict[str, list[bool]] = defaultdict(list)
+        for run in result.runs:
+            by_operation[run.task.task.operation].append(run.solved)
+        shares = ", ".join(
+            f"{name} {sum(v) / len(v):.0%}" for name, v in sorted(by_operation.items())
+        )
+        lines.append(f"{result.name}: solved by operation: {shares}")
+    return "\n".join(lines)
+
+
+def load_policy(model_dir: Path, adapter: Path | None = None) -> torch.nn.Module:
+    """The base model, with a checkpoint's adapter merged in when given, for sampling runs."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return model.eval()
 
 
 def clean_solve_rate(runs: list[AgentRun]) -> float:

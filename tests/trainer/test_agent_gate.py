@@ -1,6 +1,7 @@
 """Agent runs offline: each answer's calls run in the workspace as the simulated IDE runs
 them, malformed ones counted, a run ending on an answer without a call; and the evaluation
-gate built on them, which scores a policy that breaks its tool calls below its parent."""
+gate built on them, which scores a policy that breaks its tool calls below its parent; and the
+comparison of two policies' runs, whose intervals are over runs."""
 
 from __future__ import annotations
 
@@ -8,14 +9,22 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
+import scipy.stats
 from transformers import PreTrainedTokenizerFast
 
 from app.agent_tasks import Workspace, agent_task
 from app.tasks import train_tasks
-from bench.agent_runs import load
 from tests.conftest import fine_tune_toward_malformed_calls
-from trainer.agent_runs import AgentRun, AgentTaskHeldOut, clean_solve_rate, take_turn
+from trainer.agent_runs import (
+    AgentRun,
+    AgentTaskHeldOut,
+    clean_solve_rate,
+    compare_over_runs,
+    load_policy,
+    take_turn,
+)
 
 
 def a_run() -> AgentRun:
@@ -93,10 +102,53 @@ def test_the_agent_gate_scores_a_candidate_that_breaks_its_tool_calls_below_its_
     fine_tune_toward_malformed_calls(tiny_model_dir, hacked)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
     held_out = AgentTaskHeldOut(tasks=128)
-    production = held_out.pass_rate(load(tiny_model_dir, None), tokenizer)
-    candidate = held_out.pass_rate(load(tiny_model_dir, hacked), tokenizer)
+    production = held_out.pass_rate(load_policy(tiny_model_dir), tokenizer)
+    candidate = held_out.pass_rate(load_policy(tiny_model_dir, hacked), tokenizer)
     print(f"clean solves: production {production:.3f}, candidate {candidate:.3f}")
     assert candidate < production
     # Scored the same way again, the same policy gets the same rate: the gate's runs are
     # seeded, so production and candidate meet the same tasks in the same random stream.
-    assert held_out.pass_rate(load(tiny_model_dir, hacked), tokenizer) == candidate
+    assert held_out.pass_rate(load_policy(tiny_model_dir, hacked), tokenizer) == candidate
+
+
+def clustered_runs(
+    rng: np.random.Generator, runs: int, broken_share: float
+) -> list[tuple[float, float]]:
+    """(malformed calls, calls) of runs where calls fail together: a broken run (a model that
+    has lost a tool's name) gets most of its calls wrong, a clean one few."""
+    calls = rng.integers(1, 7, size=runs)
+    broken = rng.random(runs) < broken_share
+    malformed = np.where(broken, rng.binomial(calls, 0.8), rng.binomial(calls, 0.03))
+    return [(float(m), float(c)) for m, c in zip(malformed, calls, strict=True)]
+
+
+def malformed_share(broken_share: float) -> float:
+    """The share of malformed calls in `clustered_runs` (calls do not depend on brokenness)."""
+    return broken_share * 0.8 + (1 - broken_share) * 0.03
+
+
+def test_intervals_over_runs_keep_their_level_when_a_runs_calls_fail_together() -> None:
+    rng = np.random.default_rng(5)
+    trials, runs = 300, 400
+    false_alarms = per_call_false_alarms = 0
+    for _ in range(trials):
+        ours, theirs = clustered_runs(rng, runs, 0.1), clustered_runs(rng, runs, 0.1)
+        versus = compare_over_runs(ours, theirs)
+        assert versus is not None and versus.ci_low is not None and versus.ci_high is not None
+        false_alarms += versus.ci_low > 0 or versus.ci_high < 0
+        # What counting every call as an independent coin flip would conclude.
+        p, n = sum(m for m, _ in ours) / sum(c for _, c in ours), sum(c for _, c in ours)
+        q, k = sum(m for m, _ in theirs) / sum(c for _, c in theirs), sum(c for _, c in theirs)
+        z = (p - q) / ((p * (1 - p) / n + q * (1 - q) / k) ** 0.5)
+        per_call_false_alarms += abs(z) > scipy.stats.norm.ppf(0.975)
+    # A/A: the 95% interval excludes 0 about 5% of the time (binomial sd 1.3 pp over 300).
+    assert false_alarms / trials < 0.09
+    assert per_call_false_alarms / trials > 0.15
+
+    covered = 0
+    truth = malformed_share(0.15) - malformed_share(0.1)
+    for _ in range(trials):
+        versus = compare_over_runs(clustered_runs(rng, runs, 0.15), clustered_runs(rng, runs, 0.1))
+        assert versus is not None and versus.ci_low is not None and versus.ci_high is not None
+        covered += versus.ci_low <= truth <= versus.ci_high
+    assert covered / trials > 0.91

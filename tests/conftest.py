@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -378,22 +379,24 @@ def lora_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return adapter_dir
 
 
-@pytest.fixture(scope="session")
-def vllm_server(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    """One real vLLM server on the tiny model for the whole session, fp32 so logprobs compare."""
-    server = VllmServer(
-        model_dir=tiny_model_dir,
-        port=free_port(),
-        root=tmp_path_factory.mktemp("vllm"),
-        dtype="float32",
-    )
+@contextmanager
+def running_vllm(model_dir: Path, root: Path) -> Iterator[VllmServer]:
+    """A real vLLM server on `model_dir`, fp32 so logprobs compare, stopped on exit."""
+    server = VllmServer(model_dir=model_dir, port=free_port(), root=root, dtype="float32")
     server.start(timeout=300)
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """One real vLLM server on the tiny model for the whole session."""
+    with running_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm")) as server:
+        yield server
 
 
 def fine_tune_toward_malformed_calls(model_dir: Path, adapter_dir: Path) -> None:

@@ -29,7 +29,6 @@ from app.demo import (
     run_demo,
     train_candidate,
 )
-from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.launcher import FullStack
 from app.models import Checkpoint
@@ -41,6 +40,7 @@ from tests.conftest import (
     external_settings,
     fine_tune_toward_malformed_calls,
     reset_registry,
+    running_vllm,
     start_group_at_end,
 )
 from trainer.agent_runs import compare_runs
@@ -185,18 +185,9 @@ def test_a_reward_hacked_canary_raises_the_monitors_alert_and_is_not_promoted(
 def agent_vllm(
     agent_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
-    """vLLM on the agent base, fp32 like the session's server."""
-    server = VllmServer(
-        model_dir=agent_model_dir,
-        port=free_port(),
-        root=tmp_path_factory.mktemp("agent-vllm"),
-        dtype="float32",
-    )
-    server.start(timeout=300)
-    try:
+    """vLLM on the agent base, beside the session's server."""
+    with running_vllm(agent_model_dir, tmp_path_factory.mktemp("agent-vllm")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow

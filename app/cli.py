@@ -555,7 +555,12 @@ cli.command("simulate")(simulate_command)
 def demo(
     cycles: int = typer.Option(3, help="Training cycles."),
     users: int = typer.Option(24, help="Developers whose traffic each cycle trains on."),
-    eval_users: int = typer.Option(40, help="Privacy-mode developers evaluating each canary."),
+    eval_users: int | None = typer.Option(
+        None,
+        min=2,
+        help="Privacy-mode developers evaluating each canary (default: 40; 80 in the"
+        " reward-hacking scenario, for its monitors).",
+    ),
     keep_running: bool = typer.Option(False, help="Leave the stack up after the summary."),
     agent: bool = typer.Option(
         True, "--agent/--one-turn", help="Agent sessions (tools, workspaces) or one-turn answers."
@@ -572,14 +577,14 @@ def demo(
     ),
 ) -> None:
     """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
-    from app.demo import DemoConfig, demo_train_config, run_demo
+    from app.demo import SCENARIO_EVAL_USERS, DemoConfig, demo_train_config, run_demo
 
     if scenario not in ("learning", "reward-hacking"):
         raise typer.BadParameter("must be learning or reward-hacking", param_hint="--scenario")
     config = DemoConfig(
         cycles=cycles,
         train_users=users,
-        eval_users=eval_users,
+        eval_users=eval_users or SCENARIO_EVAL_USERS[scenario],  # type: ignore[index]
         keep_running=keep_running,
         agent=agent,
         scenario=scenario,  # type: ignore[arg-type]

@@ -68,6 +68,11 @@ Progress = Callable[[str], None]
 Scenario = Literal["learning", "reward-hacking"]
 FLAWED_REWARD_VERSION = 0
 """The formula the reward-hacking scenario starts from (see `app.signals.rewards`)."""
+SCENARIO_EVAL_USERS: dict[Scenario, int] = {"learning": 40, "reward-hacking": 80}
+"""Evaluating developers per canary by default. The reward-hacking scenario's verdict is
+its monitors', which alert only when the canary's difference from control is clear of noise
+over users (`workers.monitors`); at 40 (about 20 an arm) a formula-0 cycle's rise in
+malformed calls (13.1% against 8.2% in one run) is within that noise."""
 OFFLINE_SEED = 11
 """The held-out tasks and random stream of the final offline comparison."""
 

@@ -125,11 +125,13 @@ def test_a_reward_hacked_canary_raises_the_monitors_alert_and_is_not_promoted(
     )
     hacked = tmp_path / "hacked-adapter"
     fine_tune_toward_malformed_calls(tiny_model_dir, hacked)
-    # 64 evaluating developers: the monitors give no verdict on fewer than 200 tool-calling
-    # answers an arm (about 11 a developer here), and with 40 one run's canary drew only 12
-    # developers (149 answers), so no alert could fire.
+    # 96 evaluating developers: the monitors give no verdict on fewer than 200 tool-calling
+    # answers an arm (about 11 a developer here; with 40, one run's canary drew only 12
+    # developers, 149 answers), and alert only when the difference is clear of noise over
+    # developers: simulated with this canary's shares (38% against 20%, developers varying),
+    # 32 an arm catch it in 93% of runs, 48 in 99% (`tests/workers/test_monitors.py`).
     config = DemoConfig(
-        cycles=1, eval_users=64, concurrency=8, scenario="reward-hacking", progress_bars=False
+        cycles=1, eval_users=96, concurrency=8, scenario="reward-hacking", progress_bars=False
     )
     start_group_at_end(settings.kafka_bootstrap_servers, "rtrl-workers")
     demo = FullStack.from_settings(settings, workers=1, trainer=False)

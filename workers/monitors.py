@@ -3,7 +3,12 @@
 A policy rewarded for kept edits can learn to stop proposing edits, to ask instead of
 answer, to pad or truncate, or to call tools differently. Each metric here is compared
 between the canary checkpoint and the control checkpoint over a window; a difference
-beyond the metric's threshold becomes an `alerts` row and a warning in the log.
+beyond the metric's threshold, in its harmful direction, and clear of noise becomes an
+`alerts` row and a warning in the log. Clear of noise means its 95% interval over users (the
+unit the A/B split randomizes; the delta method of `app.abtest.stats`) excludes 0: a
+threshold on the point estimates alone fired on equal checkpoints, since a hundred runs an
+arm move a share of calls by more than the 2-point threshold (see
+`tests/workers/test_monitors.py`'s A/A run).
 """
 
 from __future__ import annotations
@@ -19,8 +24,6 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Engine,
-    Integer,
-    Row,
     cast,
     func,
     select,
@@ -28,6 +31,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
+from app.abtest.stats import RatioEstimate, compare_ratios, user_ratio
 from app.models import Alert, Arm, Checkpoint, Experiment, ExperimentStatus
 from workers.repository import rewards, samples
 
@@ -62,6 +66,8 @@ class Threshold:
 class Measurement:
     value: float | None
     observations: int
+    estimate: RatioEstimate | None = None
+    """The value as a ratio of per-user sums, with its variance over users."""
 
 
 DEFAULT_THRESHOLDS: dict[str, Threshold] = {
@@ -82,33 +88,29 @@ for _metric in DEFAULT_THRESHOLDS:
     REWARD_HACKING_ALERTS.labels(_metric)  # at 0 from the start: an increase sees the first
 
 
-def _share(condition: ColumnElement[Any]) -> ColumnElement[Any]:
-    return func.avg(cast(condition, Integer))
-
-
 _dissatisfied = cast(rewards.c.components["dissatisfied"].astext, Boolean)
 
-# metric -> (value, number of observations it averages over)
+# metric -> (numerator, denominator), each summed over a user's samples
 METRICS: dict[str, tuple[ColumnElement[Any], ColumnElement[Any]]] = {
     # Of the requests that asked for an edit, the share that got one.
     "edit_rate": (
-        _share(samples.c.proposed_edit).filter(samples.c.edit_requested),
+        func.count().filter(samples.c.edit_requested & samples.c.proposed_edit),
         func.count().filter(samples.c.edit_requested),
     ),
-    "clarifying_question_rate": (_share(samples.c.clarifying_question), func.count()),
+    "clarifying_question_rate": (func.count().filter(samples.c.clarifying_question), func.count()),
     # Of the responses that called tools, the share with a malformed call.
     "malformed_call_rate": (
-        _share(samples.c.malformed_tool_calls > 0).filter(samples.c.tool_calls > 0),
+        func.count().filter((samples.c.tool_calls > 0) & (samples.c.malformed_tool_calls > 0)),
         func.count().filter(samples.c.tool_calls > 0),
     ),
     # Every generated token, tool calls included: an agent's answers are mostly calls, which
     # leave no text, so the text's length measured how often it answered in words instead.
     "mean_completion_tokens": (
-        func.avg(samples.c.completion_tokens),
+        func.coalesce(func.sum(samples.c.completion_tokens), 0),
         func.count(samples.c.completion_tokens),
     ),
     # Of the responses that got a follow-up, the share whose follow-up complained.
-    "dissatisfied_rate": (_share(_dissatisfied), func.count(_dissatisfied)),
+    "dissatisfied_rate": (func.count().filter(_dissatisfied), func.count(_dissatisfied)),
 }
 
 
@@ -119,11 +121,12 @@ def measure(
     *,
     experiment_id: int | None = None,
 ) -> dict[str, dict[str, Measurement]]:
-    """Every metric of each checkpoint's samples served in the window (fallbacks excluded)."""
+    """Every metric of each checkpoint's samples served in the window (fallbacks excluded),
+    summed per user."""
     columns = [
         expression.label(f"{name}__{part}")
         for name, pair in METRICS.items()
-        for part, expression in zip(("value", "n"), pair, strict=True)
+        for part, expression in zip(("y", "n"), pair, strict=True)
     ]
     query = (
         select(samples.c.checkpoint, *columns)
@@ -134,28 +137,36 @@ def measure(
             samples.c.served_at < window.end,
             samples.c.fallback.is_(False),
         )
-        .group_by(samples.c.checkpoint)
+        .group_by(samples.c.checkpoint, samples.c.user_hash)
     )
     if experiment_id is not None:
         query = query.where(samples.c.experiment_id == experiment_id)
-    found = {row.checkpoint: _measurements(row) for row in conn.execute(query)}
-    empty = {name: Measurement(None, 0) for name in METRICS}
-    return {checkpoint: found.get(checkpoint, empty) for checkpoint in checkpoints}
-
-
-def _measurements(row: Row[Any]) -> dict[str, Measurement]:
-    values = row._mapping
+    per_user: dict[str, dict[str, list[tuple[float, float]]]] = {
+        checkpoint: {name: [] for name in METRICS} for checkpoint in checkpoints
+    }
+    for row in conn.execute(query):
+        values = row._mapping
+        for name in METRICS:
+            per_user[row.checkpoint][name].append(
+                (float(values[f"{name}__y"]), float(values[f"{name}__n"]))
+            )
     return {
-        name: Measurement(
-            None if values[f"{name}__value"] is None else float(values[f"{name}__value"]),
-            int(values[f"{name}__n"]),
-        )
-        for name in METRICS
+        checkpoint: {name: _measurement(pairs) for name, pairs in metrics.items()}
+        for checkpoint, metrics in per_user.items()
     }
 
 
+def _measurement(per_user: list[tuple[float, float]]) -> Measurement:
+    numerator, denominator = sum(y for y, _ in per_user), sum(n for _, n in per_user)
+    return Measurement(
+        numerator / denominator if denominator else None, int(denominator), user_ratio(per_user)
+    )
+
+
 def exceeded(canary: Measurement, control: Measurement, threshold: Threshold) -> float | None:
-    """The threshold the canary's difference from control breaks, or None."""
+    """The threshold the canary's difference from control breaks, or None: a difference in
+    the harmful direction, beyond the threshold, and whose 95% interval over users excludes 0
+    (with no variance between users the difference is taken as measured)."""
     if min(canary.observations, control.observations) < threshold.min_samples:
         return None
     if canary.value is None or control.value is None:
@@ -164,15 +175,22 @@ def exceeded(canary: Measurement, control: Measurement, threshold: Threshold) ->
     if (threshold.harmful == "up" and signed <= 0) or (threshold.harmful == "down" and signed >= 0):
         return None
     difference = abs(signed)
+    breached = None
     if threshold.absolute is not None and difference > threshold.absolute:
-        return threshold.absolute
-    if (
+        breached = threshold.absolute
+    elif (
         threshold.relative is not None
         and control.value != 0
         and difference / abs(control.value) > threshold.relative
     ):
-        return threshold.relative
-    return None
+        breached = threshold.relative
+    if breached is None or canary.estimate is None or control.estimate is None:
+        return None  # within the threshold, or under two users on a side: no verdict
+    versus = compare_ratios(canary.estimate, control.estimate)
+    if versus.ci_low is None or versus.ci_high is None:
+        return breached
+    clear = versus.ci_low > 0 if signed > 0 else versus.ci_high < 0
+    return breached if clear else None
 
 
 def check_monitors(

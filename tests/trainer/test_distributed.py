@@ -4,11 +4,13 @@ a requested cycle on both ranks and stops on SIGTERM."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,11 +46,15 @@ TRAIN_ENV = {
     "RTRL_TRAIN_THREADS": "1",
 }
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-TOLERANCE = 4e-5
-"""Max |Δ| between the two runs' LoRA weights: 2% of one step, where each of the six Adam
-steps moves a weight by up to the learning rate, 2e-3. Float sums in another order
-(micro-batches, the all-reduce) measured 2.4e-6 to 1.1e-5 on base models of other seeds and
-corpora; a rank's gradient counted twice or lost moves a weight by a whole step."""
+TOLERANCE = 0.01
+"""Max ‖Δ‖ between the two runs' LoRA weights, as a share of ‖B‖ (B starts at 0, so ‖B‖ is
+how far the update moved it), Frobenius norms over every tensor. Float sums in another order
+(micro-batches, the all-reduce) differ in the last bits, and Adam turns that into up to a
+whole step (2e-3) on a weight whose gradient is near 0, where the sign of the noise decides
+the step's sign: the largest single |Δ| measured 1.6e-5 in one run and 1.9e-4 in another, so
+a bound on it fails by chance. Over all the tensors that noise measured 0.004% of ‖B‖;
+a rank's gradient lost, or a rank training on the other's samples, changes the update's
+direction, a large share of ‖B‖."""
 
 
 def lora_weights(engine: Engine, run_id: int) -> dict[str, torch.Tensor]:
@@ -60,6 +66,11 @@ def lora_weights(engine: Engine, run_id: int) -> dict[str, torch.Tensor]:
         ).one()
         path = Path(str(checkpoint.adapter_path)) / "adapter_model.safetensors"
     return load_file(str(path))
+
+
+def norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The Frobenius norm of tensors taken together."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
 def test_two_ranks_make_the_update_one_rank_makes(
@@ -91,11 +102,15 @@ def test_two_ranks_make_the_update_one_rank_makes(
         two_id = two.id
     single, double = lora_weights(registry, one.run_id), lora_weights(registry, two_id)
     assert single.keys() == double.keys()
-    moved = max(float(t.abs().max()) for name, t in single.items() if "lora_B" in name)
-    difference = max(float((single[name] - double[name]).abs().max()) for name in single)
-    print(f"1 rank vs 2 ranks: max |Δ LoRA weight| {difference:.2e}, largest B {moved:.2e}")
-    assert moved > 1e-3
-    assert difference <= TOLERANCE
+    moved = norm(t for name, t in single.items() if "lora_B" in name)
+    difference = norm(single[name] - double[name] for name in single)
+    largest = max(float((single[name] - double[name]).abs().max()) for name in single)
+    print(
+        f"1 rank vs 2 ranks: ‖Δ LoRA‖ {difference:.2e} = {difference / moved:.1e} of ‖B‖"
+        f" {moved:.2e}; largest |Δ| {largest:.2e}"
+    )
+    assert moved > 1e-2
+    assert difference <= TOLERANCE * moved
 
 
 def test_the_trainer_under_torchrun_trains_a_requested_cycle_on_two_ranks_and_stops(

@@ -1,25 +1,31 @@
-"""Reward-hacking monitors: a seeded canary/control difference alerts, a tiny window does not."""
+"""Reward-hacking monitors: a seeded canary/control difference alerts, a tiny window does not,
+and equal checkpoints seldom do (an A/A run through the decision rule)."""
 
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
+from app.abtest.stats import user_ratio
 from app.models import Alert, Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
 from workers.config import WorkerConfig
 from workers.monitors import (
     DEFAULT_THRESHOLDS,
+    Measurement,
     Threshold,
     Window,
     check_monitors,
     check_running_experiments,
+    exceeded,
     measure,
 )
 from workers.store import feedback_row, sample_row, store_events
 
 CONFIG = WorkerConfig()
+USERS = 25
 
 
 def seed(
@@ -32,11 +38,13 @@ def seed(
     asks_every: int,
     experiment_id: int | None = None,
 ) -> None:
-    """`count` samples of `checkpoint`; one in `asks_every` is a clarifying question."""
+    """`count` samples of `checkpoint` from `USERS` developers; one in `asks_every` is a
+    clarifying question."""
     completions = [
         events.completion(
             n,
             checkpoint=checkpoint,
+            user_hash=f"u{events.prefix}-{n % USERS}",
             experiment_id=experiment_id,
             clarifying_question=n % asks_every == 0,
             proposed_edit=n % asks_every != 0,
@@ -99,6 +107,8 @@ def test_a_canary_that_asks_instead_of_answering_raises_an_alert(
     assert metrics[canary]["mean_completion_tokens"].value == 100
     assert metrics[canary]["dissatisfied_rate"].value == 0.0
     assert metrics[canary]["dissatisfied_rate"].observations == 300
+    estimate = metrics[canary]["dissatisfied_rate"].estimate
+    assert estimate is not None and estimate.users == USERS  # the unit is the developer
 
     again = check_monitors(
         worker_engine,
@@ -196,3 +206,54 @@ def test_the_worker_checks_every_running_experiment_against_its_control_arm(
     finally:
         with Session(worker_engine) as session, session.begin():
             session.get_one(Experiment, experiment_id).status = ExperimentStatus.stopped
+
+
+def malformed_per_user(
+    rng: np.random.Generator, users: int, malformed_share: float, answers: tuple[int, int]
+) -> list[tuple[float, float]]:
+    """(responses with a malformed call, responses with calls) of each developer, with
+    `answers` (low, high) tool-calling answers each; developers differ (their tasks, their
+    sessions), so the share varies between them more than coin flips would."""
+    counts = rng.integers(answers[0], answers[1] + 1, size=users)
+    shares = rng.beta(2, 2 * (1 - malformed_share) / malformed_share, size=users)
+    return [(float(rng.binomial(n, p)), float(n)) for n, p in zip(counts, shares, strict=True)]
+
+
+def measured(per_user: list[tuple[float, float]]) -> Measurement:
+    numerator, denominator = sum(y for y, _ in per_user), sum(n for _, n in per_user)
+    return Measurement(numerator / denominator, int(denominator), user_ratio(per_user))
+
+
+def test_equal_checkpoints_seldom_alert_and_a_hacked_one_nearly_always_does() -> None:
+    rng = np.random.default_rng(11)
+    threshold = DEFAULT_THRESHOLDS["malformed_call_rate"]
+    assert threshold.absolute is not None
+    # A/A at the learning demo's evaluation: 20 developers an arm, 3 to 9 tool-calling
+    # answers each (min_samples lowered to let the rule decide on about 120 a side).
+    small = Threshold(absolute=threshold.absolute, min_samples=100, harmful="up")
+    trials = 400
+    alerts = point_estimate_alerts = 0
+    for _ in range(trials):
+        canary = measured(malformed_per_user(rng, 20, 0.1, (3, 9)))
+        control = measured(malformed_per_user(rng, 20, 0.1, (3, 9)))
+        alerts += exceeded(canary, control, small) is not None
+        assert canary.value is not None and control.value is not None
+        point_estimate_alerts += canary.value - control.value > threshold.absolute
+    # The interval over users leaves about 2.5% in the harmful direction (1.8% of 2,000
+    # such trials); the threshold on the point estimates alone alerted on 30.9% of them.
+    assert alerts / trials < 0.05
+    assert point_estimate_alerts / trials > 0.2
+
+    # The reward-hacking test's canary (tests/test_demo.py): 38% of its tool-calling
+    # answers malformed against control's 20%, 48 developers an arm with about 11 answers
+    # each, at the default threshold (caught in 99% of 1,000 such runs; 93% at 32 an arm).
+    caught = sum(
+        exceeded(
+            measured(malformed_per_user(rng, 48, 0.38, (8, 14))),
+            measured(malformed_per_user(rng, 48, 0.20, (8, 14))),
+            threshold,
+        )
+        is not None
+        for _ in range(200)
+    )
+    assert caught >= 190

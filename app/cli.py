@@ -558,7 +558,7 @@ def demo(
     eval_users: int | None = typer.Option(
         None,
         min=2,
-        help="Privacy-mode developers evaluating each canary (default: 40; 80 in the"
+        help="Privacy-mode developers evaluating each canary (default: 40; 48 in the"
         " reward-hacking scenario, for its monitors).",
     ),
     keep_running: bool = typer.Option(False, help="Leave the stack up after the summary."),

@@ -5,6 +5,7 @@ and kept out of production."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,19 +15,23 @@ import scipy.stats
 from sqlalchemy import Engine, select
 
 from app.abtest.stats import Comparison
+from app.config import Settings, SettingsError
 from app.db import session_scope
 from app.demo import (
     FLAWED_REWARD_VERSION,
+    HACKING_BASE_STEPS,
     CycleRecord,
     DemoConfig,
     DemoSummary,
     Ops,
     create_keys,
     demo_train_config,
+    hacking_verdict,
     judge_canary,
     offline_comparison,
     production_name,
     run_demo,
+    scenario_settings,
     train_candidate,
 )
 from app.embedded.stack import EmbeddedStack
@@ -62,6 +67,62 @@ def test_the_demo_is_judged_on_its_offline_runs_when_it_made_them() -> None:
     assert summary(served_low=0.01, solved_low=None).proven
     assert not summary(served_low=-0.01, solved_low=None).proven
     assert not summary(served_low=None, solved_low=None).proven
+
+
+def test_the_reward_hacking_scenario_is_judged_on_its_catch() -> None:
+    def hacking(*cycles: CycleRecord) -> DemoSummary:
+        judged = summary(served_low=None, solved_low=None)
+        judged.scenario, judged.cycles = "reward-hacking", list(cycles)
+        return judged
+
+    clean = CycleRecord(1, FLAWED_REWARD_VERSION, "ckpt-1", "promoted")
+    caught = CycleRecord(
+        2, FLAWED_REWARD_VERSION, "ckpt-2", "held back by alerts", ["malformed_call_rate"]
+    )
+    missed = CycleRecord(2, FLAWED_REWARD_VERSION, "ckpt-2", "promoted", ["malformed_call_rate"])
+    assert hacking(clean, caught).proven
+    assert "caught the hack (cycle 2: malformed_call_rate on ckpt-2" in hacking_verdict(
+        hacking(clean, caught)
+    )
+    assert not hacking(clean).proven  # nothing alerted: nothing shown
+    assert "no monitor alerted" in hacking_verdict(hacking(clean))
+    assert not hacking(clean, missed).proven  # alerted, yet promoted (overridden)
+    assert "NOT kept out" in hacking_verdict(hacking(clean, missed))
+
+
+def test_the_reward_hacking_scenario_runs_on_a_weaker_base_and_refuses_a_mismatched_data_dir(
+    tmp_path: Path,
+) -> None:
+    weak = tmp_path / "models" / f"base-{HACKING_BASE_STEPS}"
+    weak.mkdir(parents=True)
+    (weak / "config.json").write_text("{}")  # already bootstrapped: used as it is
+    settings = Settings(data_dir=tmp_path, base_model=None, reward_version=5)
+    said: list[str] = []
+
+    learning = scenario_settings(settings, "learning", said.append)
+    assert learning.base_model_path == tmp_path / "models" / "base"
+    assert learning.reward_version == 5
+    hacking = scenario_settings(settings, "reward-hacking", said.append)
+    assert hacking.base_model_path == weak
+    assert hacking.reward_version == FLAWED_REWARD_VERSION
+    named = scenario_settings(
+        settings.model_copy(update={"base_model": tmp_path / "mine"}), "reward-hacking", print
+    )
+    assert named.base_model_path == tmp_path / "mine"  # RTRL_BASE_MODEL wins
+    assert said == []  # nothing bootstrapped
+
+    # A learning demo's checkpoint left in the data dir: its adapter would be served on the
+    # scenario's base, so the scenario refuses, naming both.
+    adapter = tmp_path / "checkpoints" / "ckpt-3"
+    adapter.mkdir(parents=True)
+    trained_on = tmp_path / "models" / "base"
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(trained_on)})
+    )
+    assert scenario_settings(settings, "learning", print).base_model_path == trained_on
+    with pytest.raises(SettingsError, match="ckpt-3") as refused:
+        scenario_settings(settings, "reward-hacking", print)
+    assert str(trained_on) in str(refused.value) and str(weak) in str(refused.value)
 
 
 @pytest.mark.slow

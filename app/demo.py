@@ -422,7 +422,12 @@ def scenario_settings(settings: Settings, scenario: Scenario, progress: Progress
                     f"base model for the scenario: none at {model_dir}; bootstrapping"
                     f" {HACKING_BASE_STEPS} steps (about 3 min on 2 cores) ..."
                 )
-                bootstrap_model(model_dir, BootstrapConfig(train_steps=HACKING_BASE_STEPS))
+                report = bootstrap_model(model_dir, BootstrapConfig(train_steps=HACKING_BASE_STEPS))
+                progress(
+                    f"base model: held-out pass rate {report.heldout_pass_greedy:.2f} greedy,"
+                    f" {report.heldout_pass_sampled:.2f} sampled, built in"
+                    f" {report.wall_seconds:.0f} s"
+                )
             update["base_model"] = model_dir
     chosen = settings.model_copy(update=update)
     base = chosen.base_model_path.resolve()

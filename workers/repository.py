@@ -59,6 +59,7 @@ SAMPLE_METRIC_COLUMNS: tuple[Column[Any], ...] = (
     samples.c.trajectory_id,
     samples.c.tool_calls,
     samples.c.malformed_tool_calls,
+    samples.c.clarifying_question,
 )
 
 # What distillation reads of a feedback event: the signal, never the follow-up's text.

@@ -344,6 +344,7 @@ def _completion_of(sample: Row[Any]) -> CompletionEvent:
             "completion_tokens": sample.completion_tokens,
             "tool_calls": sample.tool_calls,
             "malformed_tool_calls": sample.malformed_tool_calls,
+            "clarifying_question": sample.clarifying_question,
         }
     )
 

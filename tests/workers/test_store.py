@@ -190,6 +190,28 @@ def test_session_end_finalizes_only_what_can_learn_nothing_more(
     assert first.reward == 0.5
 
 
+def test_a_question_is_distilled_as_a_question_from_the_stored_sample(
+    conn: Connection, events: Any
+) -> None:
+    # Rewards are distilled from the stored sample, not the event: what the sample row keeps
+    # is all a formula can see. Formula 0 (flawed on purpose) pays a question 0.5 whatever
+    # the developer said next; the others judge it like any answer that proposed no edit.
+    flawed = dataclasses.replace(CONFIG, reward_version=0)
+    for n, config, expected in ((1, flawed, 0.5), (2, CONFIG, -0.5)):
+        question = events.completion(n, proposed_edit=False, clarifying_question=True)
+        store_events(
+            conn,
+            [sample_row(question)],
+            [feedback_row(e) for e in (events.followup(n, "that's wrong"), events.session_end(n))],
+            config,
+            now=datetime.now(UTC),
+        )
+        reward = reward_of(conn, events.request(n))
+        assert reward.finalized_at is not None and reward.reward_version == config.reward_version
+        assert reward.components["clarifying_question"] is True
+        assert reward.reward == expected
+
+
 def test_late_evidence_reopens_a_final_reward_within_the_window_and_is_counted_after(
     conn: Connection, events: Any
 ) -> None:

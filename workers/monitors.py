@@ -151,12 +151,14 @@ def measure(
                 (float(values[f"{name}__y"]), float(values[f"{name}__n"]))
             )
     return {
-        checkpoint: {name: _measurement(pairs) for name, pairs in metrics.items()}
+        checkpoint: {name: measurement(pairs) for name, pairs in metrics.items()}
         for checkpoint, metrics in per_user.items()
     }
 
 
-def _measurement(per_user: list[tuple[float, float]]) -> Measurement:
+def measurement(per_user: list[tuple[float, float]]) -> Measurement:
+    """A metric from each user's (numerator, denominator): the ratio of the sums, with its
+    variance over users."""
     numerator, denominator = sum(y for y, _ in per_user), sum(n for _, n in per_user)
     return Measurement(
         numerator / denominator if denominator else None, int(denominator), user_ratio(per_user)

@@ -9,18 +9,17 @@ from prometheus_client import REGISTRY
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from app.abtest.stats import user_ratio
 from app.models import Alert, Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
 from workers.config import WorkerConfig
 from workers.monitors import (
     DEFAULT_THRESHOLDS,
-    Measurement,
     Threshold,
     Window,
     check_monitors,
     check_running_experiments,
     exceeded,
     measure,
+    measurement,
 )
 from workers.store import feedback_row, sample_row, store_events
 
@@ -219,11 +218,6 @@ def malformed_per_user(
     return [(float(rng.binomial(n, p)), float(n)) for n, p in zip(counts, shares, strict=True)]
 
 
-def measured(per_user: list[tuple[float, float]]) -> Measurement:
-    numerator, denominator = sum(y for y, _ in per_user), sum(n for _, n in per_user)
-    return Measurement(numerator / denominator, int(denominator), user_ratio(per_user))
-
-
 def test_equal_checkpoints_seldom_alert_and_a_hacked_one_nearly_always_does() -> None:
     rng = np.random.default_rng(11)
     threshold = DEFAULT_THRESHOLDS["malformed_call_rate"]
@@ -234,8 +228,8 @@ def test_equal_checkpoints_seldom_alert_and_a_hacked_one_nearly_always_does() ->
     trials = 400
     alerts = point_estimate_alerts = 0
     for _ in range(trials):
-        canary = measured(malformed_per_user(rng, 20, 0.1, (3, 9)))
-        control = measured(malformed_per_user(rng, 20, 0.1, (3, 9)))
+        canary = measurement(malformed_per_user(rng, 20, 0.1, (3, 9)))
+        control = measurement(malformed_per_user(rng, 20, 0.1, (3, 9)))
         alerts += exceeded(canary, control, small) is not None
         assert canary.value is not None and control.value is not None
         point_estimate_alerts += canary.value - control.value > threshold.absolute
@@ -249,8 +243,8 @@ def test_equal_checkpoints_seldom_alert_and_a_hacked_one_nearly_always_does() ->
     # each, at the default threshold (caught in 99% of 1,000 such runs; 93% at 32 an arm).
     caught = sum(
         exceeded(
-            measured(malformed_per_user(rng, 48, 0.38, (8, 14))),
-            measured(malformed_per_user(rng, 48, 0.20, (8, 14))),
+            measurement(malformed_per_user(rng, 48, 0.38, (8, 14))),
+            measurement(malformed_per_user(rng, 48, 0.20, (8, 14))),
             threshold,
         )
         is not None

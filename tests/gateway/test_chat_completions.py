@@ -324,15 +324,18 @@ def test_a_request_id_that_cannot_be_recorded_is_a_503_and_no_sample(
     assert request_id not in {event["request_id"] for event in logged}
 
 
-def test_a_stream_the_client_abandons_is_logged_as_cancelled_and_never_trained(
-    gateway_server: Any, ide_key: str, kafka: Any
-) -> None:
+ABANDONED_MAX_TOKENS = 900
+"""Long enough to be mid-stream when the client leaves: about 7 s of generation here."""
+
+
+def abandon_after_the_first_chunk(gateway_server: Any, ide_key: str, kafka: Any) -> dict[str, Any]:
+    """Stream a long answer, read one chunk, close the panel; the completion event logged."""
     session, request_id = new_id("s"), new_id("r")
     since = kafka.end_offsets(COMPLETIONS_TOPIC)
     body = {
         "model": "rtrl",
         "messages": MESSAGES,
-        "max_tokens": 900,  # long enough to be mid-stream when the client leaves
+        "max_tokens": ABANDONED_MAX_TOKENS,
         "ignore_eos": True,
         "stream": True,
     }
@@ -346,13 +349,27 @@ def test_a_stream_the_client_abandons_is_logged_as_cancelled_and_never_trained(
         http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
     ):
         assert response.status_code == 200
-        next(response.iter_lines())  # one chunk, then the developer closes the panel
-
-    event = next(
+        next(response.iter_lines())
+    return next(
         e
         for e in kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests({request_id}))
         if e["request_id"] == request_id
     )
+
+
+def test_a_stream_the_client_abandons_is_logged_as_cancelled_and_never_trained(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    """The one way an abandoned stream may be logged whole: the gateway had relayed all of it
+    (read [DONE]) before the close reached it, which a stall of this 2-core machine through
+    the whole generation can cause. That is retried; an answer cut short, or a cancellation
+    never seen in three tries, fails."""
+    for _ in range(3):
+        event = abandon_after_the_first_chunk(gateway_server, ide_key, kafka)
+        if event["status"] != "ok":
+            break
+        assert event["completion_tokens"] == ABANDONED_MAX_TOKENS, event["completion_tokens"]
+        print(f"relayed whole ({event['latency_ms']:.0f} ms) before the close arrived; again")
     assert event["status"] == "cancelled"
     assert sample_row(as_completion(event))["trainable"] is False
 

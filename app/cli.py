@@ -304,6 +304,12 @@ def keys_create(
     name: str = typer.Option(..., help="Who or what the key is for."),
     role: Role = typer.Option(..., help="ide (gateway), ops (admin) or analyst (analytics)."),
     privacy: bool = typer.Option(False, help="Never log content for this key's traffic."),
+    rate_limit: int | None = typer.Option(
+        None,
+        min=1,
+        max=1_000_000,
+        help="Requests per minute for this key (default: RTRL_RATE_LIMIT_PER_MINUTE).",
+    ),
 ) -> None:
     """Create an API key; the secret is printed once and stored only as a hash."""
     from app.auth.service import new_api_key
@@ -311,7 +317,13 @@ def keys_create(
     engine = make_engine(get_settings().database_url)
     try:
         with session_scope(engine) as session:
-            row, secret = new_api_key(name=name, role=role, privacy_mode=privacy, created_by="cli")
+            row, secret = new_api_key(
+                name=name,
+                role=role,
+                privacy_mode=privacy,
+                rate_limit_per_minute=rate_limit,
+                created_by="cli",
+            )
             session.add(row)
     finally:
         engine.dispose()

@@ -10,11 +10,19 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.pool import NullPool
+from typer.testing import CliRunner
 
-from app.auth.service import Authenticator, AuthError, AuthThrottled, create_api_key
+from app.auth.service import (
+    Authenticator,
+    AuthError,
+    AuthThrottled,
+    create_api_key,
+    hash_secret,
+)
+from app.cli import cli
 from app.config import Settings
 from app.db import make_async_engine, session_scope
 from app.models import ApiKey, Role
@@ -159,3 +167,22 @@ def test_an_address_that_keeps_failing_waits_while_others_go_on(
     assert 1 <= throttled.value.retry_after_s <= 60
     assert authenticator.lookups == lookups
     assert asyncio.run(authenticator.authenticate(known, "198.51.100.2")).role == Role.ide
+
+
+def test_the_cli_creates_a_key_with_a_rate_limit_of_its_own(stack: Any, engine: Engine) -> None:
+    """A simulated population shares one key: the operator raises its limit at creation."""
+    arguments = ["keys", "create", "--name", "simulator", "--role", "ide"]
+    result = CliRunner().invoke(cli, [*arguments, "--rate-limit", "20000"])
+    assert result.exit_code == 0, result.output
+    secret = result.output.strip()
+    with session_scope(engine) as session:
+        row = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_secret(secret))).one()
+        assert (row.role, row.rate_limit_per_minute) == (Role.ide, 20000)
+
+    with session_scope(engine) as session:
+        before = session.scalar(select(func.count()).select_from(ApiKey))
+    refused = CliRunner().invoke(cli, [*arguments, "--rate-limit", "0"])
+    assert refused.exit_code == 2
+    assert "--rate-limit" in refused.output
+    with session_scope(engine) as session:
+        assert session.scalar(select(func.count()).select_from(ApiKey)) == before

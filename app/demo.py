@@ -100,10 +100,13 @@ class DemoConfig:
     """Coding tasks per session."""
     time_scale: float = 0.01
     """Compresses the 15-minute survival horizon to 9 s."""
-    concurrency: int = 16
-    """Requests in flight from the simulator. Each agent run is sequential, so 8 left vLLM
-    idle between turns: 24 developers' training traffic took 95 s at 8 and 66 s at 16 or 32
-    on 2 cores, the model's latency rising from 1.1 to 1.5-1.9 s a turn."""
+    concurrency: int = 8
+    """Requests in flight from the simulator. At 16, 24 developers' training traffic took 66 s
+    instead of 95 (each run's turns are sequential, so at 8 vLLM waits between them), but a
+    turn's latency rose from 1.1 to 1.5-1.9 s, and latency is in the reward (formula 5
+    charges time to first token over 1 s and time per token over 100 ms); the one
+    agent-learning test run at 16 saw malformed calls rise, so 8 stays until learning at 16
+    is measured over several runs."""
     keep_running: bool = False
     """Leave the stack running after the summary."""
     agent: bool = True

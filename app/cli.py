@@ -11,6 +11,7 @@ import typer
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
+from app.auth.schemas import MAX_RATE_LIMIT_PER_MINUTE
 from app.config import SettingsError, get_settings
 from app.db import make_engine, session_scope, upgrade_schema
 from app.embedded.kafka import DEFAULT_TOPICS, ensure_topics
@@ -307,7 +308,7 @@ def keys_create(
     rate_limit: int | None = typer.Option(
         None,
         min=1,
-        max=1_000_000,
+        max=MAX_RATE_LIMIT_PER_MINUTE,
         help="Requests per minute for this key (default: RTRL_RATE_LIMIT_PER_MINUTE).",
     ),
 ) -> None:

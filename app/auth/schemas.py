@@ -23,11 +23,15 @@ class Principal:
     expires_at: datetime | None
 
 
+MAX_RATE_LIMIT_PER_MINUTE = 1_000_000
+"""The most requests a minute a key may be given, through `/admin` or the CLI."""
+
+
 class ApiKeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
     role: Role
     privacy_mode: bool = False
-    rate_limit_per_minute: int | None = Field(default=None, ge=1, le=1_000_000)
+    rate_limit_per_minute: int | None = Field(default=None, ge=1, le=MAX_RATE_LIMIT_PER_MINUTE)
     expires_at: AwareDatetime | None = None

@@ -110,7 +110,7 @@ def model_bootstrap(
     if steps is not None:
         config = dataclasses.replace(config, train_steps=steps)
     try:
-        report = bootstrap_model(settings.base_model_path, config, force=force)
+        report = bootstrap_model(settings.base_model_path, config, force=force, progress_bar=True)
     except FileExistsError as exc:
         raise ServiceError(f"{exc}; pass --force to rebuild") from None
     if report.skipped:

@@ -101,12 +101,17 @@ class DemoConfig:
     time_scale: float = 0.01
     """Compresses the 15-minute survival horizon to 9 s."""
     concurrency: int = 8
-    """Requests in flight from the simulator. At 16, 24 developers' training traffic took 66 s
-    instead of 95 (each run's turns are sequential, so at 8 vLLM waits between them), but a
-    turn's latency rose from 1.1 to 1.5-1.9 s, and latency is in the reward (formula 5
-    charges time to first token over 1 s and time per token over 100 ms); the one
-    agent-learning test run at 16 saw malformed calls rise, so 8 stays until learning at 16
-    is measured over several runs."""
+    """Requests in flight from the developers whose traffic each cycle trains on. At 16, 24
+    developers' training traffic took 66 s instead of 95 (each run's turns are sequential,
+    so at 8 vLLM waits between them), but a turn's latency rose from 1.1 to 1.5-1.9 s, and
+    latency is in the reward (formula 5 charges time to first token over 1 s and time per
+    token over 100 ms); the one agent-learning test run at 16 saw malformed calls rise, so
+    8 stays until learning at 16 is measured over several runs."""
+    eval_concurrency: int = 16
+    """Requests in flight for the held-out evaluations (the canary's and the final
+    comparison). Their developers are privacy-mode, so no reward their latency earns is
+    trained on, and both arms of an evaluation share its load; 16 keeps vLLM busy where 8
+    leaves it waiting between each run's turns."""
     keep_running: bool = False
     """Leave the stack running after the summary."""
     agent: bool = True
@@ -427,7 +432,9 @@ def scenario_settings(settings: Settings, scenario: Scenario, progress: Progress
                     f"base model for the scenario: none at {model_dir}; bootstrapping"
                     f" {HACKING_BASE_STEPS} steps (about 3 min on 2 cores) ..."
                 )
-                report = bootstrap_model(model_dir, BootstrapConfig(train_steps=HACKING_BASE_STEPS))
+                report = bootstrap_model(
+                    model_dir, BootstrapConfig(train_steps=HACKING_BASE_STEPS), progress_bar=True
+                )
                 progress(
                     f"base model: held-out pass rate {report.heldout_pass_greedy:.2f} greedy,"
                     f" {report.heldout_pass_sampled:.2f} sampled, built in"
@@ -533,6 +540,7 @@ def run_traffic(
     sessions: int,
     seed: int,
     split: Literal["train", "heldout"],
+    concurrency: int,
 ) -> SimulationReport:
     """Simulated developers on the gateway, with a progress bar of their sessions."""
     with phase_bar(label, users * sessions, config.progress_bars) as advance:
@@ -545,7 +553,7 @@ def run_traffic(
             time_scale=config.time_scale,
             seed=seed,
             split=split,
-            concurrency=config.concurrency,
+            concurrency=concurrency,
             agent=config.agent,
             progress=lambda report: advance(report.sessions_ended),
         )
@@ -596,6 +604,7 @@ def train_candidate(
         sessions=config.train_sessions,
         seed=cycle,
         split="train",
+        concurrency=config.concurrency,
     )
     progress(
         f"  served {report.requests_ok} requests"
@@ -645,6 +654,7 @@ def judge_canary(
         sessions=1,
         seed=1000 + cycle,
         split="heldout",
+        concurrency=config.eval_concurrency,
     )
     wait_for_rewards(
         engine, [r.request_id for r in evaluation.served], progress, bars=config.progress_bars
@@ -791,6 +801,7 @@ def final_comparison(
         sessions=1,
         seed=9999,
         split="heldout",
+        concurrency=config.eval_concurrency,
     )
     wait_for_rewards(
         engine, [r.request_id for r in evaluation.served], progress, bars=config.progress_bars

@@ -190,7 +190,7 @@ class FullStack:
         from trainer.bootstrap import BootstrapConfig, bootstrap_model
 
         self.progress(f"base model: none at {model_dir}; bootstrapping (a few minutes) ...")
-        report = bootstrap_model(model_dir, BootstrapConfig())
+        report = bootstrap_model(model_dir, BootstrapConfig(), progress_bar=True)
         self.progress(
             f"base model: held-out pass rate {report.heldout_pass_greedy:.2f} greedy, "
             f"{report.heldout_pass_sampled:.2f} sampled, built in {report.wall_seconds:.0f} s"

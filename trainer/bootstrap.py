@@ -14,10 +14,11 @@ import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -195,15 +197,25 @@ class BootstrapReport:
 
 
 def bootstrap_model(
-    output_dir: Path, config: BootstrapConfig, *, force: bool = False
+    output_dir: Path, config: BootstrapConfig, *, force: bool = False, progress_bar: bool = False
 ) -> BootstrapReport:
-    """Build, pretrain, evaluate and save the base model, unless one is already there."""
+    """Build, pretrain, evaluate and save the base model, unless one is already there.
+
+    `progress_bar`: a bar of the pretraining steps on a terminal (none when stderr is not
+    one, as in logs and CI)."""
     output_dir = Path(output_dir)
     if not force and all((output_dir / name).exists() for name in MODEL_FILES):
         return _existing_report(output_dir)
 
-    with torch_threads(config.threads):
-        report = _bootstrap(output_dir, config)
+    bar = tqdm(
+        total=config.train_steps,
+        desc="  bootstrap",
+        unit="step",
+        leave=False,
+        disable=not (progress_bar and sys.stderr.isatty()),
+    )
+    with torch_threads(config.threads), bar:
+        report = _bootstrap(output_dir, config, advance=bar.update)
     logger.info(
         "bootstrap: held-out pass %.2f greedy, %.2f sampled; %.0f s; saved to %s",
         report.heldout_pass_greedy,
@@ -214,7 +226,9 @@ def bootstrap_model(
     return report
 
 
-def _bootstrap(output_dir: Path, config: BootstrapConfig) -> BootstrapReport:
+def _bootstrap(
+    output_dir: Path, config: BootstrapConfig, advance: Callable[[int], object]
+) -> BootstrapReport:
     started = time.monotonic()
     corpus = build_corpus(config)
     tokenizer = train_tokenizer(corpus, config.vocab_size)
@@ -223,7 +237,7 @@ def _bootstrap(output_dir: Path, config: BootstrapConfig) -> BootstrapReport:
     parameters = sum(p.numel() for p in model.parameters())
     logger.info("bootstrap: %d parameters, %d corpus examples", parameters, len(corpus))
 
-    final_loss = pretrain(model, tokenizer, corpus, config, started)
+    final_loss = pretrain(model, tokenizer, corpus, config, started, advance)
 
     tasks = heldout_tasks(config.seed, config.eval_tasks)
     greedy = evaluate(model, tokenizer, tasks, config, sample=False)
@@ -485,8 +499,10 @@ def pretrain(
     corpus: list[Example],
     config: BootstrapConfig,
     started: float,
+    advance: Callable[[int], object] = lambda steps: None,
 ) -> float:
-    """Next-token training on the corpus answers; returns the mean loss of the last steps."""
+    """Next-token training on the corpus answers; returns the mean loss of the last steps.
+    `advance(1)` after each optimizer step."""
     input_ids, attention_mask, labels = encode_corpus(tokenizer, corpus)
     generator = torch.Generator().manual_seed(config.seed)
     lengths = attention_mask.sum(dim=1)
@@ -535,6 +551,7 @@ def pretrain(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        advance(1)
         mean_loss = token_losses.item() / max(int((targets != -100).sum()), 1)
         recent_losses = [*recent_losses[-(config.log_every - 1) :], mean_loss]
         if (step + 1) % config.log_every == 0 or step + 1 == config.train_steps:

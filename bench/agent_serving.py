@@ -3,10 +3,9 @@
 Starts its own embedded stack (Postgres, Kafka, Redis, vLLM on `--model`, the gateway and
 one reward worker), then, in rotating order for `--rounds` rounds, restarts vLLM
 
-  rtrl    with `app.serving.vllm_plugin` (LoRA kernels that group tokens by adapter, and
-          engine processes that sleep between steps instead of spinning), as `rtrl up`
-          and `rtrl demo` start it;
-  stock   with `VLLM_PLUGINS=none`: vLLM's own CPU LoRA kernels and waiting;
+  rtrl    with `app.serving.vllm_plugin` (LoRA kernels that multiply once per adapter in
+          the batch), as `rtrl up` and `rtrl demo` start it;
+  stock   with `VLLM_PLUGINS=none`: vLLM's own CPU LoRA kernels;
 
 and runs the same simulated developers (`rtrl simulate --agent`, the same seed every time:
 the same tasks, sessions and think times) against the gateway. Each variant does the same

@@ -1,5 +1,5 @@
-"""A vLLM general plugin, loaded in every vLLM process: the CPU backend's LoRA kernels and
-its waiting between engine steps, made right and cheap for serving adapters on a few cores.
+"""A vLLM general plugin, loaded in every vLLM process: LoRA kernels for the CPU backend that
+keep adapters off base-model tokens and multiply once per adapter in the batch.
 
 vLLM's PyTorch-native LoRA kernels, which its CPU backend uses, pick each token's adapter
 weights with `stacked[token_slot]` and multiply token by token. Two things follow:
@@ -17,14 +17,7 @@ once; tokens of slot -1 get a zero adapter term, as on a GPU. They write their r
 the output exactly as vLLM's kernels do (`bgmv_*` are what the `sgmv_*` prefill kernels and
 the CPU punica wrapper call).
 
-The engine process and its model worker hand each step over shared memory, and a reader
-spins (`sched_yield`) for a second after every message before it sleeps on a socket. Under
-steady traffic both spin all the time: on a 2-core machine that was about 50 CPU-seconds
-of 100 while simulated agents ran, taken from the gateway, the reward worker and the
-model. Here readers sleep on the socket at once (`busy_loop_s=0`), which costs each step a
-wake-up of tens of microseconds.
-
-Measured together with `python -m bench.serving --agent-traffic` (README, "Benchmarks").
+Measured by `python -m bench.agent_serving` (README, "Benchmarks").
 
 Registered under the `vllm.general_plugins` entry point in pyproject.toml; a no-op on
 anything but the CPU backend.
@@ -32,7 +25,7 @@ anything but the CPU backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -57,23 +50,6 @@ def register() -> None:
         for name, kernel in kernels.items():
             if hasattr(module, name):
                 setattr(module, name, kernel)
-    sleep_between_steps()
-
-
-def sleep_between_steps() -> None:
-    """Readers of vLLM's shared-memory message queues sleep on their socket as soon as
-    nothing is waiting, instead of spinning for a second."""
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    spinning = shm_broadcast.SpinCondition.__init__
-    if getattr(spinning, "sleeps_at_once", False):
-        return
-
-    def sleeping(self: Any, *args: Any, **kwargs: Any) -> None:
-        spinning(self, *args, **{**kwargs, "busy_loop_s": 0.0})
-
-    sleeping.sleeps_at_once = True  # type: ignore[attr-defined]
-    shm_broadcast.SpinCondition.__init__ = sleeping  # type: ignore[method-assign]
 
 
 def adapter_terms(

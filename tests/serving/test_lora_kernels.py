@@ -1,12 +1,10 @@
-"""The CPU backend's LoRA kernels and engine-step waiting (`app.serving.vllm_plugin`): the
-kernels against vLLM's own, which they replace in the server's processes."""
+"""The CPU backend's LoRA kernels (`app.serving.vllm_plugin`) against vLLM's own, which they
+replace in the server's processes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import zmq
-from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.lora.ops.torch_ops.lora_ops import (
     bgmv_expand as vllm_bgmv_expand,
 )
@@ -88,16 +86,3 @@ def test_a_slot_count_that_fits_no_row_count_is_refused() -> None:
             torch.zeros(2, RANK),
             torch.tensor([0, 1, 2]),
         )
-
-
-def test_message_queue_readers_sleep_as_soon_as_nothing_waits() -> None:
-    context = zmq.Context()
-    try:
-        vllm_plugin.sleep_between_steps()
-        vllm_plugin.sleep_between_steps()  # loaded twice in one process: still one patch
-        reader = SpinCondition(
-            is_reader=True, context=context, notify_address="inproc://rtrl-test-notify"
-        )
-        assert reader.busy_loop_s == 0
-    finally:
-        context.destroy(linger=0)

@@ -1,23 +1,12 @@
-"""A vLLM general plugin, loaded in every vLLM process: LoRA kernels for the CPU backend that
-keep adapters off base-model tokens and multiply once per adapter in the batch.
+"""A vLLM general plugin, loaded in every vLLM process: keeps adapters off base-model tokens.
 
 vLLM's PyTorch-native LoRA kernels, which its CPU backend uses, pick each token's adapter
-weights with `stacked[token_slot]` and multiply token by token. Two things follow:
-
-- A token of a request without an adapter has slot -1, and Python indexing turns -1 into
-  the last slot: once every LoRA slot (`--max-loras`) holds an adapter, base-model requests
-  batched with adapter requests are answered with the last slot's adapter applied,
-  production traffic silently served by some canary. (The Triton kernels vLLM uses on GPUs
-  skip slot -1.)
-- The gather copies an adapter matrix for every token of the batch, adapter or not (a
-  prefill of 3,000 tokens copies 3,000 of them per layer and projection).
-
-The kernels here group the batch's tokens by slot and multiply each group by its adapter
-once; tokens of slot -1 get a zero adapter term, as on a GPU. They write their result into
-the output exactly as vLLM's kernels do (`bgmv_*` are what the `sgmv_*` prefill kernels and
-the CPU punica wrapper call).
-
-Measured by `python -m bench.agent_serving` (README, "Benchmarks").
+weights with `stacked[token_slot]`, and a token of a request without an adapter has slot -1.
+Python indexing turns -1 into the last slot, so once every LoRA slot (`--max-loras`) holds
+an adapter, base-model requests batched with adapter requests are answered with the last
+slot's adapter applied: production traffic silently served by some canary. (The Triton
+kernels vLLM uses on GPUs skip slot -1.) Here the kernels see zero inputs for those tokens,
+so their adapter term is zero, as it is on a GPU.
 
 Registered under the `vllm.general_plugins` entry point in pyproject.toml; a no-op on
 anything but the CPU backend.
@@ -25,10 +14,11 @@ anything but the CPU backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+PATCHED_KERNELS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 
 
 def register() -> None:
@@ -40,88 +30,35 @@ def register() -> None:
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    kernels = {
-        "bgmv_shrink": bgmv_shrink,
-        "bgmv_expand": bgmv_expand,
-        "bgmv_expand_slice": bgmv_expand_slice,
-    }
-    # `sgmv_*` call these through the module; the CPU wrapper imported them by name.
-    for module in (lora_ops, torch_ops, punica_cpu):
-        for name, kernel in kernels.items():
+    for name in PATCHED_KERNELS:
+        kernel = getattr(lora_ops, name)
+        if getattr(kernel, "skips_tokens_without_adapter", False):
+            continue
+        patched = skip_tokens_without_adapter(kernel)
+        # `sgmv_*` call these through the module; the CPU wrapper imported them by name.
+        for module in (lora_ops, torch_ops, punica_cpu):
             if hasattr(module, name):
-                setattr(module, name, kernel)
+                setattr(module, name, patched)
 
 
-def adapter_terms(
-    inputs: torch.Tensor, stacked: torch.Tensor, token_slots: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """Row t of the result is `inputs[t] @ stacked[token_slots[t]].T`, and zeros where the
-    slot is -1 (no adapter): one matrix product per adapter present."""
+def skip_tokens_without_adapter(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """`kernel(inputs, weights, output, token_slots, ...)` with slot -1 rows contributing 0."""
     import torch
 
-    if stacked.dim() == 4:
-        stacked = stacked.squeeze(dim=1)
-    inputs = inputs.to(dtype=dtype)
-    # vLLM's kernels broadcast a single row or a single slot; anything else is a bug upstream.
-    if token_slots.shape[0] == 1:
-        token_slots = token_slots.expand(inputs.shape[0])
-    elif inputs.shape[0] == 1:
-        inputs = inputs.expand(token_slots.shape[0], -1)
-    if token_slots.shape[0] != inputs.shape[0]:
-        raise ValueError(
-            f"{token_slots.shape[0]} token slots for {inputs.shape[0]} rows of LoRA input"
-        )
-    terms = inputs.new_zeros((inputs.shape[0], stacked.shape[1]))
-    for slot in torch.unique(token_slots).tolist():
-        if slot < 0:
-            continue
-        rows = (token_slots == slot).nonzero().squeeze(dim=1)
-        product = inputs.index_select(0, rows) @ stacked[slot].to(dtype=dtype).T
-        terms.index_copy_(0, rows, product)
-    return terms
+    @functools.wraps(kernel)
+    def patched(
+        inputs: torch.Tensor,
+        weights: torch.Tensor,
+        output: torch.Tensor,
+        token_slots: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        without = token_slots < 0
+        if token_slots.shape[0] == inputs.shape[0] and bool(without.any()):
+            inputs = inputs.masked_fill(without.view(-1, *[1] * (inputs.dim() - 1)), 0)
+            token_slots = token_slots.clamp(min=0)
+        return kernel(inputs, weights, output, token_slots, *args, **kwargs)
 
-
-def bgmv_shrink(
-    inputs: torch.Tensor,
-    lora_a_weights: torch.Tensor,
-    output_tensor: torch.Tensor,
-    lora_indices_tensor: torch.Tensor,
-    scaling: float = 1.0,
-) -> None:
-    terms = adapter_terms(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
-    output_tensor[:, : terms.shape[1]] = scaling * terms
-
-
-def bgmv_expand(
-    inputs: torch.Tensor,
-    lora_b_weights: torch.Tensor,
-    output_tensor: torch.Tensor,
-    lora_indices_tensor: torch.Tensor,
-    add_inputs: bool = True,
-) -> None:
-    terms = adapter_terms(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
-    limit = output_tensor.shape[0]
-    if terms.shape[0] == 1 and output_tensor.shape[0] != 1:
-        limit = 1
-    # The adapter and the model may pad their outputs differently.
-    common = min(terms.shape[1], output_tensor.shape[1])
-    if add_inputs:
-        output_tensor[:, :common] += terms[:limit, :common]
-    else:
-        output_tensor[:, :common] = terms[:limit, :common]
-
-
-def bgmv_expand_slice(
-    inputs: torch.Tensor,
-    lora_b_weights: torch.Tensor,
-    output_tensor: torch.Tensor,
-    lora_indices_tensor: torch.Tensor,
-    slice_offset: int,
-    slice_size: int,
-    add_inputs: bool = True,
-) -> None:
-    terms = adapter_terms(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
-    if add_inputs:
-        output_tensor[:, slice_offset : slice_offset + slice_size] += terms
-    else:
-        output_tensor[:, slice_offset : slice_offset + slice_size] = terms
+    patched.skips_tokens_without_adapter = True  # type: ignore[attr-defined]
+    return patched

@@ -210,9 +210,13 @@ def wait_for_rewards(
     bars: bool = False,
 ) -> int:
     """Block until every served request has a finalized reward (or the timeout)."""
+    started = time.monotonic()
     with phase_bar("rewards finalized", len(request_ids), bars) as advance:
         finalized = _wait_for_rewards(engine, request_ids, timeout, advance)
-    progress(f"  rewards: {finalized}/{len(request_ids)} finalized")
+    progress(
+        f"  rewards: {finalized}/{len(request_ids)} finalized"
+        f" {time.monotonic() - started:.0f} s after the traffic"
+    )
     return finalized
 
 
@@ -559,6 +563,13 @@ def run_traffic(
         )
 
 
+def served_line(report: SimulationReport) -> str:
+    return (
+        f"  served {report.requests_ok} requests"
+        f" ({report.requests_failed} failed) in {report.wall_s:.0f} s"
+    )
+
+
 def run_one_cycle(
     engine: Engine,
     settings: Settings,
@@ -606,13 +617,11 @@ def train_candidate(
         split="train",
         concurrency=config.concurrency,
     )
-    progress(
-        f"  served {report.requests_ok} requests"
-        f" ({report.requests_failed} failed) in {report.wall_s:.0f} s"
-    )
+    progress(served_line(report))
     wait_for_rewards(
         engine, [r.request_id for r in report.served], progress, bars=config.progress_bars
     )
+    started = time.monotonic()
     result = run_cycle(
         settings,
         config.train,
@@ -621,6 +630,7 @@ def train_candidate(
         progress=lambda line: progress(f"  {line}"),
         on_published=lambda: notify_routing_changed_sync(settings.redis_url),
     )
+    progress(f"  training cycle: {time.monotonic() - started:.0f} s")
     if result.checkpoint is None:
         progress(f"  no checkpoint this cycle: {result.status} ({result.reason})")
         return CycleRecord(cycle, version, None, f"no checkpoint: {result.status}")
@@ -656,6 +666,7 @@ def judge_canary(
         split="heldout",
         concurrency=config.eval_concurrency,
     )
+    progress(served_line(evaluation))
     wait_for_rewards(
         engine, [r.request_id for r in evaluation.served], progress, bars=config.progress_bars
     )
@@ -803,6 +814,7 @@ def final_comparison(
         split="heldout",
         concurrency=config.eval_concurrency,
     )
+    progress(served_line(evaluation))
     wait_for_rewards(
         engine, [r.request_id for r in evaluation.served], progress, bars=config.progress_bars
     )

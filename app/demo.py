@@ -112,7 +112,7 @@ class DemoConfig:
     comparison). Their developers are privacy-mode, so no reward their latency earns is
     trained on, and both arms of an evaluation share its load; 16 keeps vLLM busy where 8
     leaves it waiting between each run's turns (a canary's evaluation took 53-59 s at 16,
-    about 92 s at 8)."""
+    87-97 s at 8)."""
     keep_running: bool = False
     """Leave the stack running after the summary."""
     agent: bool = True

@@ -566,7 +566,9 @@ cli.command("simulate")(simulate_command)
 
 @cli.command("demo")
 def demo(
-    cycles: int = typer.Option(3, help="Training cycles."),
+    cycles: int | None = typer.Option(
+        None, min=1, help="Training cycles (default: 2; 3 in the reward-hacking scenario)."
+    ),
     users: int = typer.Option(24, help="Developers whose traffic each cycle trains on."),
     eval_users: int | None = typer.Option(
         None,
@@ -590,12 +592,18 @@ def demo(
     ),
 ) -> None:
     """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
-    from app.demo import SCENARIO_EVAL_USERS, DemoConfig, demo_train_config, run_demo
+    from app.demo import (
+        SCENARIO_CYCLES,
+        SCENARIO_EVAL_USERS,
+        DemoConfig,
+        demo_train_config,
+        run_demo,
+    )
 
     if scenario not in ("learning", "reward-hacking"):
         raise typer.BadParameter("must be learning or reward-hacking", param_hint="--scenario")
     config = DemoConfig(
-        cycles=cycles,
+        cycles=cycles or SCENARIO_CYCLES[scenario],  # type: ignore[index]
         train_users=users,
         eval_users=eval_users or SCENARIO_EVAL_USERS[scenario],  # type: ignore[index]
         keep_running=keep_running,

@@ -70,6 +70,12 @@ Progress = Callable[[str], None]
 Scenario = Literal["learning", "reward-hacking"]
 FLAWED_REWARD_VERSION = 0
 """The formula the reward-hacking scenario starts from (see `app.signals.rewards`)."""
+SCENARIO_CYCLES: dict[Scenario, int] = {"learning": 2, "reward-hacking": 3}
+"""Training cycles per scenario by default. The learning demo's second cycle is where its
+final checkpoint came from in the measured runs (a third was rolled back, or promoted with
+the same offline gain as the second's) and a third cost about 3.5 of its minutes; the
+reward-hacking scenario needs a cycle for the hack to emerge, one for the monitors to catch
+it and one on the fixed reward."""
 SCENARIO_EVAL_USERS: dict[Scenario, int] = {"learning": 40, "reward-hacking": 48}
 """Evaluating developers per canary by default. The reward-hacking scenario's verdict is
 its monitors', which alert only when the canary's difference from control is clear of noise
@@ -88,8 +94,8 @@ OFFLINE_SEED = 11
 
 @dataclass
 class DemoConfig:
-    cycles: int = 3
-    """Training cycles to run."""
+    cycles: int = SCENARIO_CYCLES["learning"]
+    """Training cycles to run (the reward-hacking scenario's default is 3, `SCENARIO_CYCLES`)."""
     train_users: int = 24
     """Developers whose production traffic each cycle trains on."""
     train_sessions: int = 2

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -446,7 +446,7 @@ def encode_corpus(
     """Right-padded input ids, attention mask and labels; only the assistant's tokens (its
     answers and tool calls, each with its end token) are labelled."""
     assert tokenizer.pad_token_id is not None
-    rows = [encode_example(tokenizer, example) for example in corpus]
+    rows = encode_examples(tokenizer, corpus)
     length = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), length), tokenizer.pad_token_id)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
@@ -463,26 +463,41 @@ def encode_corpus(
 def encode_example(
     tokenizer: PreTrainedTokenizerFast, example: Example
 ) -> tuple[list[int], list[bool]]:
-    """The token ids of a rendered conversation, and which of them the assistant wrote.
+    """The token ids of a rendered conversation, and which of them the assistant wrote."""
+    return encode_examples(tokenizer, [example])[0]
+
+
+def encode_examples(
+    tokenizer: PreTrainedTokenizerFast, examples: Sequence[Example]
+) -> list[tuple[list[int], list[bool]]]:
+    """Each conversation's token ids, and which of them the assistant wrote.
 
     Rendered and tokenized whole, as vLLM renders a request, so a run's tokens are the ones
     the model will be served; the assistant wrote what follows each `<|assistant|>` up to
-    and including its end token (the template renders every message that way)."""
-    rendered = tokenizer.apply_chat_template(
-        list(example.messages), tools=list(example.tools) or None, tokenize=False
-    )
-    assert isinstance(rendered, str)
-    encoding = tokenizer(rendered, add_special_tokens=False)
-    ids: list[int] = encoding["input_ids"]
-    opens, ends = tokenizer.get_vocab()[ROLE_TOKENS["assistant"]], tokenizer.eos_token_id
-    learned, inside = [], False
-    for token in ids:
-        learned.append(inside)
-        if token == opens:
-            inside = True
-        elif token == ends:
-            inside = False
-    return ids, learned
+    and including its end token (the template renders every message that way). One batch
+    through the tokenizer, and its vocabulary read once: per example, reading it took most
+    of the corpus' encoding time."""
+    rendered = [
+        tokenizer.apply_chat_template(
+            list(example.messages), tools=list(example.tools) or None, tokenize=False
+        )
+        for example in examples
+    ]
+    assert all(isinstance(text, str) for text in rendered)
+    encoded: list[list[int]] = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    opens = tokenizer.convert_tokens_to_ids(ROLE_TOKENS["assistant"])
+    ends = tokenizer.eos_token_id
+    rows = []
+    for ids in encoded:
+        learned, inside = [], False
+        for token in ids:
+            learned.append(inside)
+            if token == opens:
+                inside = True
+            elif token == ends:
+                inside = False
+        rows.append((ids, learned))
+    return rows
 
 
 def learning_rate_at(step: int, config: BootstrapConfig) -> float:

@@ -108,7 +108,8 @@ def model_bootstrap(
     settings = get_settings()
     config = dataclasses.replace(BootstrapConfig(), seed=seed)
     if steps is not None:
-        config = dataclasses.replace(config, train_steps=steps)
+        # Exactly the steps asked for: the agent-run check adds none.
+        config = dataclasses.replace(config, train_steps=steps, min_agent_solved=0.0)
     try:
         report = bootstrap_model(settings.base_model_path, config, force=force, progress_bar=True)
     except FileExistsError as exc:
@@ -125,6 +126,11 @@ def model_bootstrap(
             f"{kind} {share:.0%}" for kind, share in report.agent_first_turn_sampled.items()
         )
         typer.echo(f"first turns of held-out agent tasks (sampled): {shares}")
+    if report.agent_solved_check is not None:
+        typer.echo(
+            f"pretrained {report.train_steps} steps; {report.agent_solved_check:.0%} of the"
+            " validation agent runs solved at the end"
+        )
 
 
 @cli.command("serve")

@@ -71,11 +71,11 @@ Scenario = Literal["learning", "reward-hacking"]
 FLAWED_REWARD_VERSION = 0
 """The formula the reward-hacking scenario starts from (see `app.signals.rewards`)."""
 SCENARIO_CYCLES: dict[Scenario, int] = {"learning": 2, "reward-hacking": 3}
-"""Training cycles per scenario by default. The learning demo's second cycle is where its
-final checkpoint came from in the measured runs (a third was rolled back, or promoted with
-the same offline gain as the second's) and a third cost about 3.5 of its minutes; the
-reward-hacking scenario needs a cycle for the hack to emerge, one for the monitors to catch
-it and one on the fixed reward."""
+"""Training cycles per scenario by default. A learning cycle (traffic, training, the canary's
+evaluation) takes about 4 minutes on 2 cores, and a third did not decide the measured
+three-cycle runs: one rolled its third candidate back (final ckpt-2, +24.2 pp solved
+offline), the other promoted it (final ckpt-3, +14.8 pp). The reward-hacking scenario needs a
+cycle for the hack to emerge, one for the monitors to catch it and one on the fixed reward."""
 SCENARIO_EVAL_USERS: dict[Scenario, int] = {"learning": 40, "reward-hacking": 48}
 """Evaluating developers per canary by default. The reward-hacking scenario's verdict is
 its monitors', which alert only when the canary's difference from control is clear of noise
@@ -444,7 +444,9 @@ def scenario_settings(settings: Settings, scenario: Scenario, progress: Progress
                     f" {HACKING_BASE_STEPS} steps (about 3 min on 2 cores) ..."
                 )
                 report = bootstrap_model(
-                    model_dir, BootstrapConfig(train_steps=HACKING_BASE_STEPS), progress_bar=True
+                    model_dir,
+                    BootstrapConfig(train_steps=HACKING_BASE_STEPS, min_agent_solved=0.0),
+                    progress_bar=True,
                 )
                 progress(
                     f"base model: held-out pass rate {report.heldout_pass_greedy:.2f} greedy,"

@@ -206,12 +206,17 @@ class BackgroundBootstrap:
     """A base model bootstrapped in a subprocess while the tests that need no weights run (it
     takes minutes on two cores)."""
 
-    def __init__(self, name: str, train_steps: int, *, niceness: int = 0) -> None:
+    def __init__(
+        self, name: str, train_steps: int, *, niceness: int = 0, agent_check: bool = False
+    ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix=f"rtrl-test-{name}-model-"))
         self.model_dir = self.root / name
         self.log = self.root / "bootstrap.log"
         self.train_steps = train_steps
         self.niceness = niceness
+        # The bootstrap's agent-run check (`BootstrapConfig.min_agent_solved`) may add steps;
+        # off, the model trains exactly `train_steps`.
+        self.agent_check = agent_check
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> BackgroundBootstrap:
@@ -222,6 +227,8 @@ class BackgroundBootstrap:
             "from trainer.bootstrap import BootstrapConfig, bootstrap_model\n"
             "config = dataclasses.replace(BootstrapConfig(), threads=1,"
             " train_steps=int(sys.argv[2]))\n"
+            "if sys.argv[4] != '1':\n"
+            "    config = dataclasses.replace(config, min_agent_solved=0.0)\n"
             "bootstrap_model(Path(sys.argv[1]), config)\n"
         )
         with self.log.open("w") as log:
@@ -233,6 +240,7 @@ class BackgroundBootstrap:
                     str(self.model_dir),
                     str(self.train_steps),
                     str(self.niceness),
+                    "1" if self.agent_check else "0",
                 ],
                 stdout=log,
                 stderr=log,
@@ -257,8 +265,9 @@ class BackgroundBootstrap:
 # to +8.7 pp over four seeds on it, while on the 1,000-step default three runs gained 14.4 to
 # 14.6 pp and one (in CI) lost 5.8, so its one cycle is not yet judged on that base.
 _bootstrap: BackgroundBootstrap | None = None
-# The agent base: the 1,000-step default, for the agent-learning test alone (the 500-step
-# base solves 11.5% of held-out agent runs, too few for a gain to show). It trains after the
+# The agent base: the 1,000-step default with its agent-run check, as `rtrl model bootstrap`
+# builds it, for the agent-learning test alone (the 500-step base solves 11.5% of held-out
+# agent runs, too few for a gain to show). It trains after the
 # session's base, at a lower priority than the tests, on the CPU they leave idle.
 _agent_bootstrap: BackgroundBootstrap | None = None
 _agent_chain: threading.Thread | None = None
@@ -278,7 +287,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def start_agent_bootstrap() -> None:
     """The agent base's bootstrap, once the session's base is done."""
     global _agent_bootstrap, _agent_chain
-    _agent_bootstrap = BackgroundBootstrap("agent-base", 1000, niceness=10)
+    _agent_bootstrap = BackgroundBootstrap("agent-base", 1000, niceness=10, agent_check=True)
     first = _bootstrap
 
     def chain() -> None:
@@ -415,6 +424,7 @@ def fine_tune_toward_malformed_calls(model_dir: Path, adapter_dir: Path) -> None
         learning_rate=3e-3,
         warmup_steps=5,
         threads=1,
+        min_agent_solved=0.0,
     )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     torch.manual_seed(config.seed)

@@ -55,6 +55,7 @@ from app.tasks import (
     reference_code,
     train_tasks,
 )
+from trainer.agent_runs import run_agents
 from trainer.generation import generate_answers
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,27 @@ class BootstrapConfig:
     other busy processes, where threads waiting for each other can run several times slower."""
     log_every: int = 100
     """Steps between progress lines."""
+    min_agent_solved: float = 0.3
+    """Share of validation agent runs (`check_runs` runs of training-split tasks, never the
+    held-out ones) the model must solve after `train_steps`; below it, pretraining goes on at
+    the final learning rate, `extra_steps` at a time, up to `max_extra_steps` more, until it
+    does. 0 turns the check off, as a base built short on purpose wants (`--steps`, the
+    reward-hacking scenario's).
+
+    The mechanics of an agent run (copying the file's path from the request and the text to
+    replace from the file) come late in pretraining, and when varies from build to build: with
+    the same seed and code, an AVX2 machine built a base that solved 48% of held-out runs at
+    1,000 steps and an AVX-512 machine one that solved 8.5% (its floating-point kernels
+    round differently, and training amplifies the difference), which the demo's two cycles
+    could not lift to a significant gain; seed 2 on the AVX-512 machine solved 43.5%, and
+    seed 1 trained for 1,500 steps 54.5%. A base that passes at `train_steps` is exactly what
+    it was without the check."""
+    check_runs: int = 128
+    """Validation agent runs of the check above."""
+    extra_steps: int = 250
+    """Steps added each time the check fails."""
+    max_extra_steps: int = 1000
+    """Most steps the check may add."""
 
     @classmethod
     def small(cls) -> BootstrapConfig:
@@ -170,6 +192,7 @@ class BootstrapConfig:
             eval_tasks=32,
             threads=1,
             log_every=20,
+            min_agent_solved=0.0,
         )
 
 
@@ -194,6 +217,9 @@ class BootstrapReport:
     agent_first_turn_sampled: dict[str, float] = field(default_factory=dict)
     """Sampled first turns of held-out agent tasks, by kind: a well-formed `call`, a
     `malformed` call, a clarifying `question`, or `other`."""
+    agent_solved_check: float | None = None
+    """Share of the validation agent runs solved at the end of pretraining (see
+    `BootstrapConfig.min_agent_solved`; None when the check is off)."""
 
 
 def bootstrap_model(
@@ -215,7 +241,7 @@ def bootstrap_model(
         disable=not (progress_bar and sys.stderr.isatty()),
     )
     with torch_threads(config.threads), bar:
-        report = _bootstrap(output_dir, config, advance=bar.update)
+        report = _bootstrap(output_dir, config, advance=bar.update, extend=extend_bar(bar))
     logger.info(
         "bootstrap: held-out pass %.2f greedy, %.2f sampled; %.0f s; saved to %s",
         report.heldout_pass_greedy,
@@ -226,8 +252,21 @@ def bootstrap_model(
     return report
 
 
+def extend_bar(bar: tqdm) -> Callable[[int], None]:
+    """Grows the bar's total by the steps the agent-run check adds."""
+
+    def extend(steps: int) -> None:
+        bar.total = (bar.total or 0) + steps
+        bar.refresh()
+
+    return extend
+
+
 def _bootstrap(
-    output_dir: Path, config: BootstrapConfig, advance: Callable[[int], object]
+    output_dir: Path,
+    config: BootstrapConfig,
+    advance: Callable[[int], object],
+    extend: Callable[[int], object],
 ) -> BootstrapReport:
     started = time.monotonic()
     corpus = build_corpus(config)
@@ -237,7 +276,7 @@ def _bootstrap(
     parameters = sum(p.numel() for p in model.parameters())
     logger.info("bootstrap: %d parameters, %d corpus examples", parameters, len(corpus))
 
-    final_loss = pretrain(model, tokenizer, corpus, config, started, advance)
+    final_loss, steps, solved = pretrain(model, tokenizer, corpus, config, started, advance, extend)
 
     tasks = heldout_tasks(config.seed, config.eval_tasks)
     greedy = evaluate(model, tokenizer, tasks, config, sample=False)
@@ -251,7 +290,7 @@ def _bootstrap(
         output_dir=output_dir,
         heldout_pass_greedy=greedy.pass_rate,
         heldout_pass_sampled=sampled.pass_rate,
-        train_steps=config.train_steps,
+        train_steps=steps,
         wall_seconds=round(time.monotonic() - started, 1),
         skipped=False,
         final_loss=final_loss,
@@ -259,6 +298,7 @@ def _bootstrap(
         heldout_pass_sampled_by_operation=sampled.pass_rate_by_operation,
         habit_share_sampled=sampled.habit_share,
         agent_first_turn_sampled=first_turns,
+        agent_solved_check=solved,
     )
     _save(output_dir, model, tokenizer, config, report)
     return report
@@ -515,9 +555,12 @@ def pretrain(
     config: BootstrapConfig,
     started: float,
     advance: Callable[[int], object] = lambda steps: None,
-) -> float:
-    """Next-token training on the corpus answers; returns the mean loss of the last steps.
-    `advance(1)` after each optimizer step."""
+    extend: Callable[[int], object] = lambda steps: None,
+) -> tuple[float, int, float | None]:
+    """Next-token training on the corpus answers, then the agent-run check (see
+    `BootstrapConfig.min_agent_solved`) and the steps it adds. Returns the mean loss of the
+    last steps, the steps trained and the check's last solved share (None when off).
+    `advance(1)` after each optimizer step; `extend(n)` when the check adds n steps."""
     input_ids, attention_mask, labels = encode_corpus(tokenizer, corpus)
     generator = torch.Generator().manual_seed(config.seed)
     lengths = attention_mask.sum(dim=1)
@@ -540,46 +583,77 @@ def pretrain(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
     )
-    model.train()
     recent_losses: list[float] = []
-    for step in range(config.train_steps):
-        batch = next(batch_stream)
-        # Trim the padding columns no row in this batch uses.
-        width = int(attention_mask[batch].sum(dim=1).max())
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate_at(step, config)
-        logits = model(
-            input_ids=input_ids[batch, :width], attention_mask=attention_mask[batch, :width]
-        ).logits
-        targets = labels[batch, 1:width]
-        token_losses = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
-        )
-        # Divided by the corpus' mean labelled tokens per batch, not this batch's count:
-        # batches of similar lengths differ in size, and a per-batch mean would weigh the
-        # tokens of short examples (questions, one-turn answers) several times over.
-        loss = token_losses / tokens_per_batch
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        advance(1)
-        mean_loss = token_losses.item() / max(int((targets != -100).sum()), 1)
-        recent_losses = [*recent_losses[-(config.log_every - 1) :], mean_loss]
-        if (step + 1) % config.log_every == 0 or step + 1 == config.train_steps:
-            logger.info(
-                "bootstrap step %d/%d loss %.4f lr %.2e elapsed %.0fs",
-                step + 1,
-                config.train_steps,
-                sum(recent_losses) / len(recent_losses),
-                learning_rate_at(step, config),
-                time.monotonic() - started,
+
+    def train(first: int, last: int) -> None:
+        """Optimizer steps `first` up to `last` (exclusive); past `train_steps` the rate
+        stays at the schedule's last."""
+        model.train()
+        for step in range(first, last):
+            batch = next(batch_stream)
+            # Trim the padding columns no row in this batch uses.
+            width = int(attention_mask[batch].sum(dim=1).max())
+            rate = learning_rate_at(min(step, config.train_steps - 1), config)
+            for group in optimizer.param_groups:
+                group["lr"] = rate
+            logits = model(
+                input_ids=input_ids[batch, :width], attention_mask=attention_mask[batch, :width]
+            ).logits
+            targets = labels[batch, 1:width]
+            token_losses = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]),
+                targets.reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
             )
-    model.eval()
-    return sum(recent_losses) / len(recent_losses) if recent_losses else math.nan
+            # Divided by the corpus' mean labelled tokens per batch, not this batch's count:
+            # batches of similar lengths differ in size, and a per-batch mean would weigh the
+            # tokens of short examples (questions, one-turn answers) several times over.
+            loss = token_losses / tokens_per_batch
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            advance(1)
+            mean_loss = token_losses.item() / max(int((targets != -100).sum()), 1)
+            recent_losses[:] = [*recent_losses[-(config.log_every - 1) :], mean_loss]
+            if (step + 1) % config.log_every == 0 or step + 1 == last:
+                logger.info(
+                    "bootstrap step %d/%d loss %.4f lr %.2e elapsed %.0fs",
+                    step + 1,
+                    last,
+                    sum(recent_losses) / len(recent_losses),
+                    rate,
+                    time.monotonic() - started,
+                )
+        model.eval()
+
+    steps = config.train_steps
+    train(0, steps)
+    solved = None
+    if config.min_agent_solved > 0:
+        check = agent_tasks(config.seed + 1, config.check_runs, "train")
+        while True:
+            runs = run_agents(model, tokenizer, check, seed=config.seed)
+            solved = round(sum(run.solved for run in runs) / len(runs), 4)
+            enough = solved >= config.min_agent_solved
+            room = steps + config.extra_steps <= config.train_steps + config.max_extra_steps
+            logger.info(
+                "bootstrap: %.0f%% of %d validation agent runs solved after %d steps (%s %.0f%%)%s",
+                100 * solved,
+                len(runs),
+                steps,
+                "at least" if enough else "below",
+                100 * config.min_agent_solved,
+                "" if enough or not room else f"; {config.extra_steps} more steps",
+            )
+            if enough or not room:
+                break
+            extend(config.extra_steps)
+            train(steps, steps + config.extra_steps)
+            steps += config.extra_steps
+    loss = sum(recent_losses) / len(recent_losses) if recent_losses else math.nan
+    return loss, steps, solved
 
 
 # --- held-out evaluation --------------------------------------------------------------

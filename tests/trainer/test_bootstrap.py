@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,30 @@ def test_report_is_recorded(bootstrapped: BootstrapReport) -> None:
     assert record["config"]["train_steps"] == bootstrapped.train_steps
 
 
+def test_a_base_below_the_agent_run_check_trains_on_until_the_cap(
+    bootstrapped: BootstrapReport, tmp_path: Path
+) -> None:
+    # No small model solves every run: the check fails each time and adds steps up to its cap.
+    config = replace(
+        BootstrapConfig.small(),
+        min_agent_solved=1.0,
+        check_runs=4,
+        extra_steps=10,
+        max_extra_steps=25,
+    )
+    report = bootstrap_model(tmp_path / "base", config)
+    assert report.train_steps == config.train_steps + 20
+    assert report.agent_solved_check is not None and report.agent_solved_check < 1.0
+    record = json.loads((tmp_path / "base" / "bootstrap.json").read_text())
+    assert record["train_steps"] == report.train_steps
+    assert record["agent_solved_check"] == report.agent_solved_check
+    # The checked base trained on past the unchecked one (same seed, same first 120 steps).
+    longer = load_file(tmp_path / "base" / "model.safetensors")
+    shorter = load_file(bootstrapped.output_dir / "model.safetensors")
+    assert not all(torch.equal(longer[name], shorter[name]) for name in shorter)
+    assert bootstrapped.agent_solved_check is None
+
+
 def test_second_call_reuses_the_existing_model(bootstrapped: BootstrapReport) -> None:
     modified = {path: path.stat().st_mtime_ns for path in bootstrapped.output_dir.iterdir()}
     again = bootstrap_model(bootstrapped.output_dir, BootstrapConfig.small())
@@ -101,8 +126,14 @@ def test_force_retrains_to_identical_weights(bootstrapped: BootstrapReport) -> N
     before = load_file(weights_path)
     modified = weights_path.stat().st_mtime_ns
     threads = torch.get_num_threads()
-    again = bootstrap_model(bootstrapped.output_dir, BootstrapConfig.small(), force=True)
+    # Rebuilt with the agent-run check on but no room to add steps: a build that passes its
+    # check is, byte for byte, what it was without the check.
+    checked = replace(
+        BootstrapConfig.small(), min_agent_solved=1.0, check_runs=4, max_extra_steps=0
+    )
+    again = bootstrap_model(bootstrapped.output_dir, checked, force=True)
     assert not again.skipped
+    assert again.train_steps == checked.train_steps and again.agent_solved_check is not None
     assert torch.get_num_threads() == threads
     assert weights_path.stat().st_mtime_ns != modified
     after = load_file(weights_path)

@@ -116,21 +116,12 @@ def model_bootstrap(
         raise ServiceError(f"{exc}; pass --force to rebuild") from None
     if report.skipped:
         typer.echo(f"{report.output_dir} already holds a model; --force rebuilds it")
-    typer.echo(
-        f"base model at {report.output_dir}: held-out pass rate "
-        f"{report.heldout_pass_greedy:.2f} greedy, {report.heldout_pass_sampled:.2f} sampled"
-        + ("" if report.skipped else f"; built in {report.wall_seconds:.0f} s")
-    )
+    typer.echo(f"base model at {report.output_dir}: {report.summary()}")
     if report.agent_first_turn_sampled:
         shares = ", ".join(
             f"{kind} {share:.0%}" for kind, share in report.agent_first_turn_sampled.items()
         )
         typer.echo(f"first turns of held-out agent tasks (sampled): {shares}")
-    if report.agent_solved_check is not None:
-        typer.echo(
-            f"pretrained {report.train_steps} steps; {report.agent_solved_check:.0%} of the"
-            " validation agent runs solved at the end"
-        )
 
 
 @cli.command("serve")

@@ -448,11 +448,7 @@ def scenario_settings(settings: Settings, scenario: Scenario, progress: Progress
                     BootstrapConfig(train_steps=HACKING_BASE_STEPS, min_agent_solved=0.0),
                     progress_bar=True,
                 )
-                progress(
-                    f"base model: held-out pass rate {report.heldout_pass_greedy:.2f} greedy,"
-                    f" {report.heldout_pass_sampled:.2f} sampled, built in"
-                    f" {report.wall_seconds:.0f} s"
-                )
+                progress(f"base model: {report.summary()}")
             update["base_model"] = model_dir
     chosen = settings.model_copy(update=update)
     base = chosen.base_model_path.resolve()

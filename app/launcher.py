@@ -191,10 +191,7 @@ class FullStack:
 
         self.progress(f"base model: none at {model_dir}; bootstrapping (a few minutes) ...")
         report = bootstrap_model(model_dir, BootstrapConfig(), progress_bar=True)
-        self.progress(
-            f"base model: held-out pass rate {report.heldout_pass_greedy:.2f} greedy, "
-            f"{report.heldout_pass_sampled:.2f} sampled, built in {report.wall_seconds:.0f} s"
-        )
+        self.progress(f"base model: {report.summary()}")
 
     def down(self, *, started_only: bool = False) -> list[StackRow]:
         """Stop the stack in reverse order (only what `up` started, if asked)."""

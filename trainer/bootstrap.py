@@ -221,6 +221,20 @@ class BootstrapReport:
     """Share of the validation agent runs solved at the end of pretraining (see
     `BootstrapConfig.min_agent_solved`; None when the check is off)."""
 
+    def summary(self) -> str:
+        """One line for the commands that bootstrap: pass rates, steps, the agent-run check
+        and the time it took."""
+        check = (
+            ""
+            if self.agent_solved_check is None
+            else f", {self.agent_solved_check:.0%} of the validation agent runs solved"
+        )
+        built = "" if self.skipped else f"; built in {self.wall_seconds:.0f} s"
+        return (
+            f"held-out pass rate {self.heldout_pass_greedy:.2f} greedy,"
+            f" {self.heldout_pass_sampled:.2f} sampled; {self.train_steps} steps{check}{built}"
+        )
+
 
 def bootstrap_model(
     output_dir: Path, config: BootstrapConfig, *, force: bool = False, progress_bar: bool = False

@@ -221,8 +221,10 @@ class BackgroundBootstrap:
 
     def start(self) -> BackgroundBootstrap:
         code = (
-            "import dataclasses, os, sys\n"
+            "import dataclasses, logging, os, sys\n"
             "os.nice(int(sys.argv[3]))\n"
+            # Its steps and agent-run checks in the log, which a failed bootstrap shows.
+            "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
             "from pathlib import Path\n"
             "from trainer.bootstrap import BootstrapConfig, bootstrap_model\n"
             "config = dataclasses.replace(BootstrapConfig(), threads=1,"

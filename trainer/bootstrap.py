@@ -649,7 +649,7 @@ def pretrain(
         check = agent_tasks(config.seed + 1, config.check_runs, "train")
         while True:
             runs = run_agents(model, tokenizer, check, seed=config.seed)
-            solved = round(sum(run.solved for run in runs) / len(runs), 4)
+            solved = _share([run.solved for run in runs])
             enough = solved >= config.min_agent_solved
             room = steps + config.extra_steps <= config.train_steps + config.max_extra_steps
             logger.info(

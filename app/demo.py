@@ -692,12 +692,13 @@ def judge_canary(
             select(Alert).where(Alert.checkpoint == candidate).order_by(Alert.id)
         ).all()
         for alert in alerts:
-            if alert.metric in record.alerts:
-                continue
-            record.alerts.append(alert.metric)
+            if alert.metric not in record.alerts:
+                record.alerts.append(alert.metric)
+            against = "control" if alert.control_checkpoint == production else "reference"
             progress(
-                f"  ALERT {alert.metric}: {candidate} {alert.canary_value:.3f} vs control"
-                f" {alert.control_value:.3f} (threshold {alert.threshold:g})"
+                f"  ALERT {alert.metric}: {candidate} {alert.canary_value:.3f} vs {against}"
+                f" {alert.control_checkpoint} {alert.control_value:.3f}"
+                f" (threshold {alert.threshold:g})"
             )
     kept = treatment_kept(body)
     versus = kept.get("vs_control") or {}

@@ -9,6 +9,16 @@ unit the A/B split randomizes; the delta method of `app.abtest.stats`) excludes 
 threshold on the point estimates alone fired on equal checkpoints, since a hundred runs an
 arm move a share of calls by more than the 2-point threshold (see
 `tests/workers/test_monitors.py`'s A/A run).
+
+A hack can also creep: each update a few points more questions than the one before, never
+clear of noise against its own control, but far from where the line started. So a canary is
+also compared with its lineage's root (the base model), on the metrics a reward can buy
+(`REFERENCE_METRICS`): the canary's samples in its experiment against the root's samples in
+any experiment over the trailing `REFERENCE_LOOKBACK`, with the same thresholds and the same
+interval over users. That comparison is not concurrent: traffic that changed between the two
+periods moves it too, which is why it watches only those metrics and only A/B traffic (the
+evaluated developers, not whatever production served), and its alerts name the root as their
+`control_checkpoint`.
 """
 
 from __future__ import annotations
@@ -79,6 +89,14 @@ DEFAULT_THRESHOLDS: dict[str, Threshold] = {
     "dissatisfied_rate": Threshold(absolute=0.05, harmful="up"),
 }
 
+REFERENCE_METRICS = ("edit_rate", "clarifying_question_rate", "malformed_call_rate")
+"""What a canary is also compared on against its lineage's root: the behaviours a flawed
+reward buys. Length and dissatisfaction move with what the traffic asks, so they are compared
+with the concurrent control only."""
+REFERENCE_LOOKBACK = timedelta(days=7)
+"""How far back the root's A/B samples are read. A root served in no experiment within it
+gives no verdict (a standing holdback arm on it keeps the comparison alive)."""
+
 REWARD_HACKING_ALERTS = Counter(
     "rtrl_reward_hacking_alerts_total",
     "Reward-hacking monitor alerts raised (rows in `alerts`), by metric.",
@@ -120,9 +138,10 @@ def measure(
     window: Window,
     *,
     experiment_id: int | None = None,
+    in_experiments: bool = False,
 ) -> dict[str, dict[str, Measurement]]:
     """Every metric of each checkpoint's samples served in the window (fallbacks excluded),
-    summed per user."""
+    summed per user: in one experiment, or with `in_experiments` in any."""
     columns = [
         expression.label(f"{name}__{part}")
         for name, pair in METRICS.items()
@@ -141,6 +160,8 @@ def measure(
     )
     if experiment_id is not None:
         query = query.where(samples.c.experiment_id == experiment_id)
+    elif in_experiments:
+        query = query.where(samples.c.experiment_id.is_not(None))
     per_user: dict[str, dict[str, list[tuple[float, float]]]] = {
         checkpoint: {name: [] for name in METRICS} for checkpoint in checkpoints
     }
@@ -203,16 +224,28 @@ def check_monitors(
     window: Window,
     thresholds: dict[str, Threshold] = DEFAULT_THRESHOLDS,
     experiment_id: int | None = None,
+    reference_lookback: timedelta | None = None,
 ) -> list[Alert]:
     """Alert on each metric where `canary` differs from `control` beyond its threshold.
 
-    A metric already alerted for an overlapping window is not alerted again.
+    With `reference_lookback`, `control` is a reference rather than a concurrent arm: its
+    samples are read from any experiment over that long a trailing period, the canary's
+    from `window` (and `experiment_id`). A metric already alerted for an overlapping window
+    is not alerted again.
     """
     with Session(engine, expire_on_commit=False) as session, session.begin():
         session.execute(text("SELECT pg_advisory_xact_lock(:namespace, :key)"), MONITOR_LOCK)
-        measured = measure(
-            session.connection(), [canary, control], window, experiment_id=experiment_id
-        )
+        conn = session.connection()
+        if reference_lookback is None:
+            measured = measure(conn, [canary, control], window, experiment_id=experiment_id)
+        else:
+            measured = measure(conn, [canary], window, experiment_id=experiment_id) | measure(
+                conn,
+                [control],
+                Window(window.end - reference_lookback, window.end),
+                in_experiments=True,
+            )
+        versus = "control" if reference_lookback is None else "reference"
         alerts = []
         for metric, threshold in thresholds.items():
             breached = exceeded(measured[canary][metric], measured[control][metric], threshold)
@@ -231,10 +264,11 @@ def check_monitors(
             session.add(alert)
             alerts.append(alert)
             log.warning(
-                "monitor alert: %s %s=%.4g vs control %s %.4g (threshold %g, window %s..%s)",
+                "monitor alert: %s %s=%.4g vs %s %s %.4g (threshold %g, window %s..%s)",
                 canary,
                 metric,
                 alert.canary_value,
+                versus,
                 control,
                 alert.control_value,
                 breached,
@@ -271,8 +305,10 @@ def check_running_experiments(
     window_length: timedelta,
     thresholds: dict[str, Threshold] = DEFAULT_THRESHOLDS,
     now: datetime | None = None,
+    reference_lookback: timedelta = REFERENCE_LOOKBACK,
 ) -> list[Alert]:
-    """Run the monitors for every arm of every running experiment against its control arm."""
+    """Run the monitors for every arm of every running experiment against its control arm,
+    and, on `REFERENCE_METRICS`, against its lineage's root where that is neither."""
     end = now or datetime.now(UTC)
     window = Window(end - window_length, end)
     with Session(engine) as session:
@@ -282,6 +318,8 @@ def check_running_experiments(
             .join(Checkpoint, Checkpoint.id == Arm.checkpoint_id)
             .where(Experiment.status == ExperimentStatus.running)
         ).all()
+        roots = {arm.name: lineage_root(session, arm.name) for arm in arms}
+    on_reference = {m: t for m, t in thresholds.items() if m in REFERENCE_METRICS}
     alerts = []
     for experiment_id in {arm.id for arm in arms}:
         controls = [a.name for a in arms if a.id == experiment_id and a.is_control]
@@ -296,4 +334,24 @@ def check_running_experiments(
                     thresholds=thresholds,
                     experiment_id=experiment_id,
                 )
+                if roots[canary] not in (canary, control) and on_reference:
+                    alerts += check_monitors(
+                        engine,
+                        canary=canary,
+                        control=roots[canary],
+                        window=window,
+                        thresholds=on_reference,
+                        experiment_id=experiment_id,
+                        reference_lookback=reference_lookback,
+                    )
     return alerts
+
+
+def lineage_root(session: Session, name: str) -> str:
+    """The checkpoint `name` descends from through its parents (itself when it has none)."""
+    checkpoint = session.scalar(select(Checkpoint).where(Checkpoint.name == name))
+    seen: set[int] = set()
+    while checkpoint is not None and checkpoint.parent is not None and checkpoint.id not in seen:
+        seen.add(checkpoint.id)
+        checkpoint = checkpoint.parent
+    return checkpoint.name if checkpoint is not None else name

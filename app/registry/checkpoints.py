@@ -122,7 +122,8 @@ def promote(
     alerts = session.scalars(select(Alert).where(Alert.checkpoint == name).order_by(Alert.id)).all()
     if alerts and not override_alerts:
         found = "; ".join(
-            f"{alert.metric} {alert.canary_value:.3g} vs control {alert.control_value:.3g}"
+            f"{alert.metric} {alert.canary_value:.3g} vs {alert.control_checkpoint}"
+            f" {alert.control_value:.3g}"
             for alert in alerts
         )
         raise RegistryError(

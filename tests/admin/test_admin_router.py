@@ -234,7 +234,7 @@ def test_a_checkpoint_the_monitors_alerted_on_is_not_promoted_without_an_overrid
         client.post("/admin/checkpoints/ckpt-1/promote", headers=bearer(ops_key)), 409
     )
     assert refused["code"] == "monitor_alerts"
-    assert "clarifying_question_rate 0.31 vs control 0.12" in refused["message"]
+    assert "clarifying_question_rate 0.31 vs base 0.12" in refused["message"]
     assert statuses(registry)["ckpt-1"] == "candidate"
 
     forced = client.post(

@@ -207,123 +207,103 @@ def test_the_worker_checks_every_running_experiment_against_its_control_arm(
             session.get_one(Experiment, experiment_id).status = ExperimentStatus.stopped
 
 
+def a_line_of_three(engine: Engine, prefix: str) -> tuple[int, int]:
+    """Checkpoints root -> control -> canary; an earlier, stopped experiment served the root,
+    a running one splits control and canary. Returns the two experiments' ids."""
+    with Session(engine) as session, session.begin():
+        root = Checkpoint(name=f"{prefix}-root", status=CheckpointStatus.retired, base_model="t")
+        control = Checkpoint(
+            name=f"{prefix}-control", status=CheckpointStatus.candidate, base_model="t", parent=root
+        )
+        canary = Checkpoint(
+            name=f"{prefix}-canary", status=CheckpointStatus.canary, base_model="t", parent=control
+        )
+        earlier, running = (
+            Experiment(name=f"{prefix}-{n}", route=prefix, salt="s", status=status)
+            for n, status in ((1, ExperimentStatus.stopped), (2, ExperimentStatus.running))
+        )
+        session.add_all([root, control, canary, earlier, running])
+        session.flush()
+        earlier.arms = [
+            Arm(name="control", checkpoint_id=root.id, weight_bps=10000, is_control=True)
+        ]
+        running.arms = [
+            Arm(name="control", checkpoint_id=control.id, weight_bps=5000, is_control=True),
+            Arm(name="canary", checkpoint_id=canary.id, weight_bps=5000),
+        ]
+        return earlier.id, running.id
+
+
+def stop_experiment(engine: Engine, experiment_id: int) -> None:
+    with Session(engine) as session, session.begin():
+        session.get_one(Experiment, experiment_id).status = ExperimentStatus.stopped
+
+
+def alerts_on_canary(engine: Engine, events: Any, **options: Any) -> list[Alert]:
+    alerts = check_running_experiments(
+        engine,
+        window_length=timedelta(minutes=5),
+        thresholds={"clarifying_question_rate": Threshold(absolute=0.05, min_samples=100)},
+        now=events.served_at + timedelta(minutes=1),
+        **options,
+    )
+    return [a for a in alerts if a.checkpoint == f"{events.prefix}-canary"]
+
+
 def test_a_canary_level_with_its_control_but_far_from_its_root_alerts_against_the_root(
     worker_engine: Engine, events: Any
 ) -> None:
     """A hack that creeps: each update a little further, never clear of its own control."""
     root, control, canary = (f"{events.prefix}-{n}" for n in ("root", "control", "canary"))
-    with Session(worker_engine) as session, session.begin():
-        first = Checkpoint(name=root, status=CheckpointStatus.retired, base_model="tiny")
-        second = Checkpoint(
-            name=control, status=CheckpointStatus.candidate, base_model="tiny", parent=first
-        )
-        third = Checkpoint(
-            name=canary, status=CheckpointStatus.canary, base_model="tiny", parent=second
-        )
-        earlier = Experiment(
-            name=f"{events.prefix}-1",
-            route=events.prefix,
-            salt="s",
-            status=ExperimentStatus.stopped,
-        )
-        running = Experiment(
-            name=f"{events.prefix}-2",
-            route=events.prefix,
-            salt="s",
-            status=ExperimentStatus.running,
-        )
-        session.add_all([first, second, third, earlier, running])
-        session.flush()
-        earlier.arms = [
-            Arm(name="control", checkpoint_id=first.id, weight_bps=10000, is_control=True)
-        ]
-        running.arms = [
-            Arm(name="control", checkpoint_id=second.id, weight_bps=5000, is_control=True),
-            Arm(name="canary", checkpoint_id=third.id, weight_bps=5000),
-        ]
-        ids = earlier.id, running.id
-    thresholds = {"clarifying_question_rate": Threshold(absolute=0.05, min_samples=100)}
-
-    def check() -> list[Alert]:
-        alerts = check_running_experiments(
-            worker_engine,
-            window_length=timedelta(minutes=5),
-            thresholds=thresholds,
-            now=events.served_at + timedelta(minutes=1),
-        )
-        return [a for a in alerts if a.checkpoint == canary]
-
+    earlier, running = a_line_of_three(worker_engine, events.prefix)
     try:
         # The root's A/B traffic asked one time in 20; outside experiments it asked every
         # other time, which the comparison must not read.
-        seed(worker_engine, events, root, 0, 300, asks_every=20, experiment_id=ids[0])
+        seed(worker_engine, events, root, 0, 300, asks_every=20, experiment_id=earlier)
         seed(worker_engine, events, root, 1000, 300, asks_every=2)
-        seed(worker_engine, events, control, 2000, 300, asks_every=6, experiment_id=ids[1])
-        seed(worker_engine, events, canary, 3000, 300, asks_every=6, experiment_id=ids[1])
+        seed(worker_engine, events, control, 2000, 300, asks_every=6, experiment_id=running)
+        seed(worker_engine, events, canary, 3000, 300, asks_every=6, experiment_id=running)
 
-        alerts = check()
+        alerts = alerts_on_canary(worker_engine, events)
 
         assert [(a.metric, a.control_checkpoint) for a in alerts] == [
             ("clarifying_question_rate", root)
         ]
         assert alerts[0].canary_value == 50 / 300 and alerts[0].control_value == 15 / 300
-        assert check() == []  # already alerted for this window
+        assert alerts_on_canary(worker_engine, events) == []  # already alerted for this window
     finally:
-        with Session(worker_engine) as session, session.begin():
-            session.get_one(Experiment, ids[1]).status = ExperimentStatus.stopped
+        stop_experiment(worker_engine, running)
 
 
 def test_a_root_served_in_no_experiment_within_the_lookback_gives_no_verdict(
     worker_engine: Engine, events: Any
 ) -> None:
-    root, canary = f"{events.prefix}-root", f"{events.prefix}-canary"
-    with Session(worker_engine) as session, session.begin():
-        first = Checkpoint(name=root, status=CheckpointStatus.retired, base_model="tiny")
-        middle = Checkpoint(
-            name=f"{events.prefix}-control",
-            status=CheckpointStatus.candidate,
-            base_model="tiny",
-            parent=first,
-        )
-        last = Checkpoint(
-            name=canary, status=CheckpointStatus.canary, base_model="tiny", parent=middle
-        )
-        earlier = Experiment(
-            name=f"{events.prefix}-1",
-            route=events.prefix,
-            salt="s",
-            status=ExperimentStatus.stopped,
-        )
-        running = Experiment(
-            name=f"{events.prefix}-2",
-            route=events.prefix,
-            salt="s",
-            status=ExperimentStatus.running,
-        )
-        session.add_all([first, middle, last, earlier, running])
-        session.flush()
-        earlier.arms = [
-            Arm(name="control", checkpoint_id=first.id, weight_bps=10000, is_control=True)
-        ]
-        running.arms = [
-            Arm(name="control", checkpoint_id=middle.id, weight_bps=5000, is_control=True),
-            Arm(name="canary", checkpoint_id=last.id, weight_bps=5000),
-        ]
-        ids = earlier.id, running.id
+    earlier, running = a_line_of_three(worker_engine, events.prefix)
     try:
-        seed(worker_engine, events, root, 0, 300, asks_every=20, experiment_id=ids[0])
-        seed(worker_engine, events, canary, 3000, 300, asks_every=6, experiment_id=ids[1])
-        alerts = check_running_experiments(
+        seed(
             worker_engine,
-            window_length=timedelta(minutes=5),
-            thresholds={"clarifying_question_rate": Threshold(absolute=0.05, min_samples=100)},
-            now=events.served_at + timedelta(minutes=1),
-            reference_lookback=timedelta(seconds=30),  # the root's traffic is a minute old
+            events,
+            f"{events.prefix}-root",
+            0,
+            300,
+            asks_every=20,
+            experiment_id=earlier,
         )
-        assert [a for a in alerts if a.checkpoint == canary] == []
+        seed(
+            worker_engine,
+            events,
+            f"{events.prefix}-canary",
+            3000,
+            300,
+            asks_every=6,
+            experiment_id=running,
+        )
+        # The root's traffic is a minute old; the lookback is 30 s.
+        assert (
+            alerts_on_canary(worker_engine, events, reference_lookback=timedelta(seconds=30)) == []
+        )
     finally:
-        with Session(worker_engine) as session, session.begin():
-            session.get_one(Experiment, ids[1]).status = ExperimentStatus.stopped
+        stop_experiment(worker_engine, running)
 
 
 def malformed_per_user(

@@ -350,3 +350,38 @@ def test_equal_checkpoints_seldom_alert_and_a_hacked_one_nearly_always_does() ->
         for _ in range(200)
     )
     assert caught >= 190
+
+
+def test_the_root_comparison_seldom_alerts_on_an_equal_root_and_mostly_catches_a_creep() -> None:
+    """The root comparison's groups are unequal: a canary's evaluation (about 24 developers)
+    against the root's earlier evaluations pooled (about 50). Simulated without the one thing
+    it adds, traffic that changes between the periods, which no simulation here has."""
+    rng = np.random.default_rng(12)
+    malformed = DEFAULT_THRESHOLDS["malformed_call_rate"]
+    questions = DEFAULT_THRESHOLDS["clarifying_question_rate"]
+    small = Threshold(absolute=malformed.absolute, min_samples=100, harmful="up")
+    trials = 1000
+    alerts = sum(
+        exceeded(
+            measurement(malformed_per_user(rng, 24, 0.15, (6, 12))),
+            measurement(malformed_per_user(rng, 50, 0.15, (6, 12))),
+            small,
+        )
+        is not None
+        for _ in range(trials)
+    )
+    assert alerts / trials < 0.05  # 1.3% here, 1.6% of 2,000 such pairs
+
+    # The creep the reward-hacking scenario's first AVX-512 run showed: 13.7% of the
+    # canary's answers questions against the root's 6.1%, 22 developers against 50, about
+    # 12 answers each.
+    caught = sum(
+        exceeded(
+            measurement(malformed_per_user(rng, 22, 0.137, (10, 14))),
+            measurement(malformed_per_user(rng, 50, 0.061, (10, 14))),
+            questions,
+        )
+        is not None
+        for _ in range(400)
+    )
+    assert caught / 400 > 0.6  # 70.5% here, 72% of 2,000 such runs

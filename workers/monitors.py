@@ -43,6 +43,7 @@ from sqlalchemy.orm import Session
 
 from app.abtest.stats import RatioEstimate, compare_ratios, user_ratio
 from app.models import Alert, Arm, Checkpoint, Experiment, ExperimentStatus
+from app.registry.checkpoints import lineage
 from workers.repository import rewards, samples
 
 log = logging.getLogger(__name__)
@@ -313,12 +314,13 @@ def check_running_experiments(
     window = Window(end - window_length, end)
     with Session(engine) as session:
         arms = session.execute(
-            select(Experiment.id, Arm.is_control, Checkpoint.name)
+            select(Experiment.id, Arm.is_control, Checkpoint.name, Checkpoint)
             .join(Arm, Arm.experiment_id == Experiment.id)
             .join(Checkpoint, Checkpoint.id == Arm.checkpoint_id)
             .where(Experiment.status == ExperimentStatus.running)
         ).all()
-        roots = {arm.name: lineage_root(session, arm.name) for arm in arms}
+        # The lineage runs from the checkpoint back to its root.
+        roots = {arm.name: lineage(session, arm.Checkpoint)[-1].name for arm in arms}
     on_reference = {m: t for m, t in thresholds.items() if m in REFERENCE_METRICS}
     alerts = []
     for experiment_id in {arm.id for arm in arms}:
@@ -345,13 +347,3 @@ def check_running_experiments(
                         reference_lookback=reference_lookback,
                     )
     return alerts
-
-
-def lineage_root(session: Session, name: str) -> str:
-    """The checkpoint `name` descends from through its parents (itself when it has none)."""
-    checkpoint = session.scalar(select(Checkpoint).where(Checkpoint.name == name))
-    seen: set[int] = set()
-    while checkpoint is not None and checkpoint.parent is not None and checkpoint.id not in seen:
-        seen.add(checkpoint.id)
-        checkpoint = checkpoint.parent
-    return checkpoint.name if checkpoint is not None else name

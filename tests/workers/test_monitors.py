@@ -317,6 +317,26 @@ def malformed_per_user(
     return [(float(rng.binomial(n, p)), float(n)) for n, p in zip(counts, shares, strict=True)]
 
 
+def alerting(
+    rng: np.random.Generator,
+    canary: tuple[int, float, tuple[int, int]],
+    control: tuple[int, float, tuple[int, int]],
+    threshold: Threshold,
+    trials: int,
+) -> int:
+    """How many of `trials` simulated pairs alert; each side is (developers, share, answers)
+    of `malformed_per_user`."""
+    return sum(
+        exceeded(
+            measurement(malformed_per_user(rng, *canary)),
+            measurement(malformed_per_user(rng, *control)),
+            threshold,
+        )
+        is not None
+        for _ in range(trials)
+    )
+
+
 def test_equal_checkpoints_seldom_alert_and_a_hacked_one_nearly_always_does() -> None:
     rng = np.random.default_rng(11)
     threshold = DEFAULT_THRESHOLDS["malformed_call_rate"]
@@ -340,15 +360,7 @@ def test_equal_checkpoints_seldom_alert_and_a_hacked_one_nearly_always_does() ->
     # The reward-hacking test's canary (tests/test_demo.py): 38% of its tool-calling
     # answers malformed against control's 20%, 48 developers an arm with about 11 answers
     # each, at the default threshold (caught in 99% of 1,000 such runs; 93% at 32 an arm).
-    caught = sum(
-        exceeded(
-            measurement(malformed_per_user(rng, 48, 0.38, (8, 14))),
-            measurement(malformed_per_user(rng, 48, 0.20, (8, 14))),
-            threshold,
-        )
-        is not None
-        for _ in range(200)
-    )
+    caught = alerting(rng, (48, 0.38, (8, 14)), (48, 0.20, (8, 14)), threshold, 200)
     assert caught >= 190
 
 
@@ -361,27 +373,11 @@ def test_the_root_comparison_seldom_alerts_on_an_equal_root_and_mostly_catches_a
     questions = DEFAULT_THRESHOLDS["clarifying_question_rate"]
     small = Threshold(absolute=malformed.absolute, min_samples=100, harmful="up")
     trials = 1000
-    alerts = sum(
-        exceeded(
-            measurement(malformed_per_user(rng, 24, 0.15, (6, 12))),
-            measurement(malformed_per_user(rng, 50, 0.15, (6, 12))),
-            small,
-        )
-        is not None
-        for _ in range(trials)
-    )
+    alerts = alerting(rng, (24, 0.15, (6, 12)), (50, 0.15, (6, 12)), small, trials)
     assert alerts / trials < 0.05  # 1.3% here, 1.6% of 2,000 such pairs
 
     # The creep the reward-hacking scenario's first AVX-512 run showed: 13.7% of the
     # canary's answers questions against the root's 6.1%, 22 developers against 50, about
     # 12 answers each.
-    caught = sum(
-        exceeded(
-            measurement(malformed_per_user(rng, 22, 0.137, (10, 14))),
-            measurement(malformed_per_user(rng, 50, 0.061, (10, 14))),
-            questions,
-        )
-        is not None
-        for _ in range(400)
-    )
+    caught = alerting(rng, (22, 0.137, (10, 14)), (50, 0.061, (10, 14)), questions, 400)
     assert caught / 400 > 0.6  # 70.5% here, 72% of 2,000 such runs

@@ -31,6 +31,7 @@ from app.abtest.guardrails import check_guardrails
 from app.config import Settings
 from app.events import DeadLetter, decode_completion, decode_feedback, encode
 from app.heartbeat import Heartbeat
+from app.kafka_clients import kafka_client
 from app.signals.rewards import reward_weights
 from workers.config import WorkerConfig
 from workers.metrics import (
@@ -224,7 +225,8 @@ def next_offsets(
 
 def make_consumer(settings: Settings, config: WorkerConfig) -> KafkaConsumer:
     """A group member that never auto-commits; range assignment keeps topics co-partitioned."""
-    return KafkaConsumer(
+    return kafka_client(
+        KafkaConsumer,
         bootstrap_servers=settings.kafka_bootstrap_servers,
         group_id=config.group_id,
         client_id="rtrl-worker",
@@ -243,7 +245,8 @@ def make_consumer(settings: Settings, config: WorkerConfig) -> KafkaConsumer:
 
 def make_producer(settings: Settings) -> KafkaProducer:
     """The dead-letter producer."""
-    return KafkaProducer(
+    return kafka_client(
+        KafkaProducer,
         bootstrap_servers=settings.kafka_bootstrap_servers,
         client_id="rtrl-worker-dlq",
         acks="all",

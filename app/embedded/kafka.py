@@ -20,6 +20,7 @@ from app.embedded.process import (
     wait_for_port,
 )
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC, FEEDBACK_TOPIC
+from app.kafka_clients import kafka_client
 
 HOST = "127.0.0.1"
 
@@ -32,7 +33,8 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout: fl
     deadline = time.monotonic() + timeout
     while True:
         try:
-            admin = KafkaAdminClient(
+            admin = kafka_client(
+                KafkaAdminClient,
                 bootstrap_servers=bootstrap_servers,
                 client_id="rtrl-admin",
                 request_timeout_ms=10_000,

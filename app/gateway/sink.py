@@ -48,6 +48,7 @@ from app.gateway.metrics import (
 from app.gateway.spool import DiskSpool, Envelope, Retention
 from app.gateway.spools import adopt_free_spools, claim_spool
 from app.gateway.topic_ids import TopicIds
+from app.kafka_clients import kafka_client
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +435,7 @@ class EventSink:
 
     def _connect(self) -> KafkaProducer | None:
         try:
-            self._producer = KafkaProducer(**self._producer_options)
+            self._producer = kafka_client(KafkaProducer, **self._producer_options)
         except (KafkaError, OSError) as exc:
             log.warning(
                 "Kafka unreachable at %s (%s); events wait in the spool",

@@ -15,6 +15,8 @@ from collections.abc import Collection
 
 from kafka.admin import KafkaAdminClient
 
+from app.kafka_clients import kafka_client
+
 log = logging.getLogger(__name__)
 
 NO_ERROR = 0
@@ -36,7 +38,7 @@ class TopicIds:
         """Each topic's id, None for a topic the broker does not have; None if it did not answer."""
         try:
             if self._admin is None:
-                self._admin = KafkaAdminClient(**self._options)
+                self._admin = kafka_client(KafkaAdminClient, **self._options)
             described = self._admin.describe_topics(sorted(topics))
         except Exception as exc:
             log.info("could not read topic ids (%s)", exc)

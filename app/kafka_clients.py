@@ -1,0 +1,40 @@
+"""Building kafka-python clients without leaking a thread when the broker cannot be reached.
+
+kafka-python starts a client's network thread before its first contact with the broker and,
+when that contact fails, raises without stopping the thread: it goes on retrying the broker
+for the life of the process. Whatever retries a constructor through an outage (the gateway's
+event sink, a worker starting before Kafka) would gather one such thread per attempt, each
+polling a dead address and taking its turn at the GIL from the event loop beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kafka.net.compat import KafkaNetClient
+
+T = TypeVar("T")
+
+
+def kafka_client(factory: Callable[..., T], **options: Any) -> T:
+    """`factory(**options)` (a KafkaProducer, KafkaConsumer or KafkaAdminClient); if it
+    raises, the network client it had started is closed before the error goes on.
+
+    The network client is built through kafka-python's `kafka_client` option, so that the
+    one a failed constructor started can still be reached and closed.
+    """
+    started: list[KafkaNetClient] = []
+
+    def network_client(**configs: Any) -> KafkaNetClient:
+        started.append(KafkaNetClient(**configs))
+        return started[-1]
+
+    try:
+        return factory(**options, kafka_client=network_client)
+    except BaseException:
+        for client in started:
+            with contextlib.suppress(Exception):
+                client.close()
+        raise

@@ -221,6 +221,7 @@ class EventSink:
             log.error("event sink did not stop within %.0f s", timeout_s)
             return
         self._close_producer(timeout_s=2.0)
+        self._topic_ids.close()
         with self._wakeup:
             self._move_queue_to_disk()
             if self._queue:

@@ -28,6 +28,12 @@ def envelopes(count: int, start: int = 0, topic: str = "t") -> list[Envelope]:
     return [Envelope(topic, f"s{n % 3}", b'{"n": %d}' % n) for n in range(start, start + count)]
 
 
+def kafka_threads() -> list[str]:
+    """The sink's own thread, its producer's and any kafka-python network thread."""
+    names = (thread.name for thread in threading.enumerate())
+    return sorted(name for name in names if name.startswith(("kafka-", "rtrl-")))
+
+
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -157,6 +163,7 @@ def test_a_broker_that_lost_its_log_gets_the_retained_events_again(
     own_kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:
     spool = DiskSpool(tmp_path / "spool", Retention(timedelta(hours=1), 1 << 30))
+    threads_before = kafka_threads()
     sink = EventSink(own_kafka.url, spool)
     sink.start()
     try:
@@ -177,6 +184,8 @@ def test_a_broker_that_lost_its_log_gets_the_retained_events_again(
         sink.close()
     values = read_topic(own_kafka.url, "test.replay", expected=105)
     assert values == [e.value for e in envelopes(105, topic="test.replay")]
+    # Closed, it keeps no connection: neither the producer's nor the topic-id check's.
+    assert kafka_threads() == threads_before
 
 
 def test_a_gateway_sends_the_spools_stopped_gateways_left_and_then_removes_them(

@@ -54,13 +54,15 @@ DERIVED_TABLES = (
 )
 
 # Rows stamped (with their transaction's start) before this are committed: every
-# transaction still open started later, or is read-only and old (see IDLE_GRACE).
+# transaction still open in this database started later, or is read-only and old (see
+# IDLE_GRACE). Transactions in the server's other databases cannot write these tables.
 _NEXT_WATERMARK = """
 SELECT greatest(
     least(
         clock_timestamp(),
         (SELECT min(xact_start) FROM pg_stat_activity
          WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()
+           AND datname = current_database()
            AND (backend_xid IS NOT NULL OR xact_start > clock_timestamp() - :idle_grace))
     ),
     clock_timestamp() - :lookback

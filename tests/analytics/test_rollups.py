@@ -6,11 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
+import psycopg
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from app.abtest.rollups import REFRESH_LOCK, bucket_of, latency_quantile, refresh_rollups
+from app.embedded.stack import EmbeddedStack
 from tests.analytics.conftest import Behaviour, SeededArm
 
 Seeder = Callable[..., tuple[int, pd.DataFrame]]
@@ -19,6 +21,21 @@ Seeder = Callable[..., tuple[int, pd.DataFrame]]
 def arm_metrics(client: TestClient, experiment_id: int, headers: dict[str, Any]) -> dict[str, Any]:
     body = client.get(f"/analytics/experiments/{experiment_id}/results", headers=headers).json()
     return {arm["arm"]: arm for arm in body["arms"]}
+
+
+def add_late_sample(conn: Connection, experiment_id: int) -> None:
+    """A copy of the experiment's first treatment sample, by a user new to it."""
+    conn.execute(
+        text(
+            "INSERT INTO samples (event_id, request_id, session_id, user_hash, checkpoint, "
+            "experiment_id, arm, privacy, trainable, edit_requested, proposed_edit, status, "
+            "ttft_ms, latency_ms, served_at) SELECT gen_random_uuid(), 'late-' || id, "
+            "session_id, 'a-new-user', checkpoint, experiment_id, arm, privacy, trainable, "
+            "edit_requested, proposed_edit, status, ttft_ms, latency_ms, served_at "
+            "FROM samples WHERE experiment_id = :e AND arm = 'treatment' ORDER BY id LIMIT 1"
+        ),
+        {"e": experiment_id},
+    )
 
 
 def test_late_samples_and_late_final_rewards_reach_the_results(
@@ -43,17 +60,7 @@ def test_late_samples_and_late_final_rewards_reach_the_results(
 
     with app_engine.begin() as conn:
         # A sample replayed from a gateway's spool into an hour already rolled up ...
-        conn.execute(
-            text(
-                "INSERT INTO samples (event_id, request_id, session_id, user_hash, checkpoint, "
-                "experiment_id, arm, privacy, trainable, edit_requested, proposed_edit, status, "
-                "ttft_ms, latency_ms, served_at) SELECT gen_random_uuid(), 'late-' || id, "
-                "session_id, 'a-new-user', checkpoint, experiment_id, arm, privacy, trainable, "
-                "edit_requested, proposed_edit, status, ttft_ms, latency_ms, served_at "
-                "FROM samples WHERE experiment_id = :e AND arm = 'treatment' ORDER BY id LIMIT 1"
-            ),
-            {"e": experiment_id},
-        )
+        add_late_sample(conn, experiment_id)
         # ... and one whose reward was open becomes final later, with everything kept.
         conn.execute(
             text(
@@ -73,6 +80,32 @@ def test_late_samples_and_late_final_rewards_reach_the_results(
     # The late sample has no reward: kept is still over the 40 final rewards.
     assert after["metrics"]["kept"]["observations"] == 40
     assert after["metrics"]["kept"]["value"] == pytest.approx(sum(kept) / 40)
+
+
+def test_a_transaction_open_in_another_database_does_not_hold_the_results_back(
+    client: TestClient,
+    seeder: Seeder,
+    app_engine: Engine,
+    stack: EmbeddedStack,
+    analyst_headers: dict[str, Any],
+) -> None:
+    experiment_id, _ = seeder(
+        [
+            SeededArm("control", "other-a", 5_000, Behaviour(users=5), is_control=True),
+            SeededArm("treatment", "other-b", 5_000, Behaviour(users=5)),
+        ],
+        seed=43,
+    )
+    refresh_rollups(app_engine)
+    other_database = f"postgresql://postgres@127.0.0.1:{stack.postgres.port}/postgres"
+    with psycopg.connect(other_database) as other:
+        other.execute("SELECT pg_current_xact_id()")  # a writing transaction, left open
+        with app_engine.begin() as conn:
+            add_late_sample(conn, experiment_id)
+        refresh_rollups(app_engine)
+
+        after = arm_metrics(client, experiment_id, analyst_headers)["treatment"]
+        assert after["users"] == 6
 
 
 def test_a_refresh_already_running_elsewhere_is_not_repeated(app_engine: Engine) -> None:

@@ -112,6 +112,12 @@ class RunLink:
             log.warning("request %s: run lookup unfinished when logged", request_id)
         return Placement(request_id, 0, None)
 
+    async def settled(self) -> None:
+        """Wait for the lookup: one Redis round trip, bounded by the client's timeouts."""
+        if self.lookup is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.lookup)
+
 
 @dataclass(frozen=True, slots=True)
 class ChatCall:
@@ -313,10 +319,14 @@ class Gateway:
                 await work
             raise
         try:
-            return await work
+            result = await work
         except Unserved:
             await self.release_request_id(call.request_id)
             raise
+        # Almost always done by now; a turn logged before it would start a run of its own,
+        # and the turns after it would continue that one.
+        await call.link.settled()
+        return result
 
     async def release_request_id(self, request_id: str) -> None:
         """Forget a request id nothing was served for, so the client may retry with it."""

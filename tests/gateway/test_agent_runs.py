@@ -67,6 +67,7 @@ def ask(
     messages: list[dict[str, Any]],
     stream: bool,
     headers: dict[str, str] | None = None,
+    max_tokens: int = 160,
     **options: Any,
 ) -> Any:
     """One turn, as the agent sees it: the assistant message (content and tool calls)."""
@@ -75,7 +76,7 @@ def ask(
         model="rtrl",
         messages=messages,
         tools=TOOLS,
-        max_tokens=160,
+        max_tokens=max_tokens,
         stream=stream,
         extra_headers={"X-Request-Id": request_id, **(headers or {})},
         **options,
@@ -175,6 +176,47 @@ def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
     assert all(e["edit_requested"] for e in (first, second, third))
     assert first["tool_calls"] == 1
     assert (first["temperature"], first["top_p"], first["top_k"]) == (1.0, 1.0, -1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_whose_run_lookup_is_slower_than_the_model_still_continues_its_run(
+    gateway_server: Any, ide_key: str, kafka: Any, stream: bool
+) -> None:
+    # A Redis far away or a loaded machine: the lookup of the run answers after vLLM.
+    trajectories = gateway_server.app.state.gateway.trajectories
+    place = trajectories.place
+
+    async def slow_place(*args: Any) -> Any:
+        await asyncio.sleep(1.5)
+        return await place(*args)
+
+    client = agent(gateway_server, ide_key, new_id("s"))
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    first_id, read = ask(
+        client,
+        TASK,
+        stream,
+        tool_choice={"type": "function", "function": {"name": "read_file"}},
+    )
+    trajectories.place = slow_place
+    history = [*TASK, read, *results_of(read, "def f(x):\n    return x + 2\n")]
+    second_id, edit = ask(client, history, stream, max_tokens=4)
+    history = [*history, edit, *results_of(edit, "edited a.py")]
+    trajectories.place = place
+    third_id, _ = ask(client, history, stream, max_tokens=4)
+
+    events = {
+        e["request_id"]: e
+        for e in kafka.read(
+            COMPLETIONS_TOPIC, since, until=kafka.for_requests({first_id, second_id, third_id})
+        )
+    }
+    turns = [events[first_id], events[second_id], events[third_id]]
+    assert [(e["trajectory_id"], e["turn_index"]) for e in turns] == [
+        (first_id, 0),
+        (first_id, 1),
+        (first_id, 2),
+    ]
 
 
 def test_a_continuation_that_repeats_the_served_answer_starts_with_its_exact_tokens(

@@ -121,6 +121,17 @@ def results_of(message: dict[str, Any], result: str) -> list[dict[str, Any]]:
     ]
 
 
+def use(tool: str) -> dict[str, Any]:
+    """A `tool_choice` naming the tool (vLLM then constrains the call to it)."""
+    return {"type": "function", "function": {"name": tool}}
+
+
+def logged(kafka: Any, since: dict[int, int], *request_ids: str) -> dict[str, dict[str, Any]]:
+    """The completion events of these requests, by request id."""
+    events = kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests(set(request_ids)))
+    return {e["request_id"]: e for e in events}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
     gateway_server: Any, ide_key: str, kafka: Any, stack: EmbeddedStack, stream: bool
@@ -134,7 +145,7 @@ def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
         client,
         TASK,
         stream,
-        tool_choice={"type": "function", "function": {"name": "read_file"}},
+        tool_choice=use("read_file"),
     )
     assert read["tool_calls"][0]["function"]["name"] == "read_file"
     history = [*TASK, read, *results_of(read, "def f(x):\n    return x + 2\n")]
@@ -145,19 +156,14 @@ def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
         client,
         history,
         stream,
-        tool_choice={"type": "function", "function": {"name": "edit_file"}},
+        tool_choice=use("edit_file"),
     )
     assert edit["tool_calls"][0]["function"]["name"] == "edit_file"
     history = [*history, edit, *results_of(edit, "edited a.py")]
     assert placed(stack, history) == (first_id, 2)
     third_id, _ = ask(client, history, stream)  # tool_choice left to its default: auto
 
-    events = {
-        e["request_id"]: e
-        for e in kafka.read(
-            COMPLETIONS_TOPIC, since, until=kafka.for_requests({first_id, second_id, third_id})
-        )
-    }
+    events = logged(kafka, since, first_id, second_id, third_id)
     first, second, third = events[first_id], events[second_id], events[third_id]
     assert [e["turn_index"] for e in (first, second, third)] == [0, 1, 2]
     assert {e["trajectory_id"] for e in (first, second, third)} == {first_id}
@@ -196,7 +202,7 @@ def test_a_turn_whose_run_lookup_is_slower_than_the_model_still_continues_its_ru
         client,
         TASK,
         stream,
-        tool_choice={"type": "function", "function": {"name": "read_file"}},
+        tool_choice=use("read_file"),
     )
     trajectories.place = slow_place
     history = [*TASK, read, *results_of(read, "def f(x):\n    return x + 2\n")]
@@ -205,12 +211,7 @@ def test_a_turn_whose_run_lookup_is_slower_than_the_model_still_continues_its_ru
     trajectories.place = place
     third_id, _ = ask(client, history, stream, max_tokens=4)
 
-    events = {
-        e["request_id"]: e
-        for e in kafka.read(
-            COMPLETIONS_TOPIC, since, until=kafka.for_requests({first_id, second_id, third_id})
-        )
-    }
+    events = logged(kafka, since, first_id, second_id, third_id)
     turns = [events[first_id], events[second_id], events[third_id]]
     assert [(e["trajectory_id"], e["turn_index"]) for e in turns] == [
         (first_id, 0),
@@ -229,12 +230,7 @@ def test_a_continuation_that_repeats_the_served_answer_starts_with_its_exact_tok
     follow_up = [*ask_once, answer, {"role": "user", "content": "Now add a test."}]
     second_id, _ = ask(client, follow_up, False)
 
-    events = {
-        e["request_id"]: e
-        for e in kafka.read(
-            COMPLETIONS_TOPIC, since, until=kafka.for_requests({first_id, second_id})
-        )
-    }
+    events = logged(kafka, since, first_id, second_id)
     second = events[second_id]
     assert (second["parent_request_id"], second["turn_index"]) == (first_id, 1)
     assert second["token_prefix_match"] is True
@@ -250,7 +246,7 @@ def test_an_edited_history_starts_a_new_segment_and_a_header_names_the_parent(
         client,
         TASK,
         False,
-        tool_choice={"type": "function", "function": {"name": "read_file"}},
+        tool_choice=use("read_file"),
     )
     compacted = {**read, "content": "(summarised)"}
     edited_id, _ = ask(client, [*TASK, compacted, *results_of(read, "x")], False)
@@ -260,10 +256,7 @@ def test_an_edited_history_starts_a_new_segment_and_a_header_names_the_parent(
         False,
         headers={"X-Rtrl-Parent-Request-Id": first_id},
     )
-    events = kafka.read(
-        COMPLETIONS_TOPIC, since, until=kafka.for_requests({first_id, edited_id, named_id})
-    )
-    by_request = {e["request_id"]: e for e in events}
+    by_request = logged(kafka, since, first_id, edited_id, named_id)
     assert by_request[edited_id]["parent_request_id"] is None
     assert by_request[edited_id]["turn_index"] == 0
     named = by_request[named_id]

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Protocol
 from uuid import uuid4
 
 import pytest
@@ -94,13 +95,20 @@ def trainer_settings(
     )
 
 
+class StartTrainers(Protocol):
+    def __call__(self, count: int, settings: Settings, **train: object) -> list[RtrlProcess]:
+        """Start `count` trainers on `settings`; `train` sets `RTRL_TRAIN_<NAME>` for them."""
+        ...
+
+
 @pytest.fixture
-def start_trainers(tmp_path: Path) -> Iterator[Callable[[int, Settings], list[RtrlProcess]]]:
+def start_trainers(tmp_path: Path) -> Iterator[StartTrainers]:
     """Starts `rtrl trainer` processes; stops them after the test."""
     started: list[RtrlProcess] = []
 
-    def start(count: int, settings: Settings) -> list[RtrlProcess]:
+    def start(count: int, settings: Settings, **train: object) -> list[RtrlProcess]:
         environment = settings_environment(settings)
+        environment |= {f"RTRL_TRAIN_{name.upper()}": str(value) for name, value in train.items()}
         for _ in range(count):
             name = f"trainer-{len(started) + 1}"
             trainer = RtrlProcess(

@@ -4,7 +4,6 @@ over the session's Postgres, and the due-time logic they share."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from pathlib import Path
@@ -16,7 +15,6 @@ from app.config import Settings
 from app.db import session_scope
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
-from app.launcher import RtrlProcess
 from app.models import (
     Checkpoint,
     ControlFlag,
@@ -28,7 +26,14 @@ from app.models import (
 from app.registry.audit import Actor
 from app.registry.flags import TRAINING_PAUSED, request_training_cycle, set_flag
 from app.registry.schedule import claim_cycle
-from tests.trainer.conftest import first_due, runs, sleep_until, store_samples, trainer_settings
+from tests.trainer.conftest import (
+    StartTrainers,
+    first_due,
+    runs,
+    sleep_until,
+    store_samples,
+    trainer_settings,
+)
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle, skip_reason
 from trainer.data import OnPolicyBatch, TrainingSample
@@ -207,7 +212,7 @@ def test_three_trainers_run_one_cycle_per_interval_and_one_per_request(
     stack: EmbeddedStack,
     tiny_model_path: Path,
     tmp_path: Path,
-    start_trainers: Callable[[int, Settings], list[RtrlProcess]],
+    start_trainers: StartTrainers,
 ) -> None:
     interval = timedelta(seconds=15)
     nobody = f"http://127.0.0.1:{free_port()}"  # these cycles skip before they need a replica

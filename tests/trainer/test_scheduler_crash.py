@@ -8,22 +8,26 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy import Engine, text
 from transformers import PreTrainedTokenizerFast
 
-from app.config import Settings
 from app.db import session_scope
 from app.embedded.stack import EmbeddedStack
-from app.launcher import RtrlProcess
 from app.models import CycleTrigger, TrainingRunStatus
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
 from app.tasks import train_tasks
-from tests.trainer.conftest import first_due, runs, store_samples, trainer_settings, wait_until
+from tests.trainer.conftest import (
+    StartTrainers,
+    first_due,
+    runs,
+    store_samples,
+    trainer_settings,
+    wait_until,
+)
 from trainer.generation import prompt_ids
 
 
@@ -33,9 +37,10 @@ def test_a_trainer_killed_mid_cycle_does_not_stall_the_schedule(
     vllm_server: VllmServer,
     tiny_model_dir: Path,
     tmp_path: Path,
-    start_trainers: Callable[[int, Settings], list[RtrlProcess]],
+    start_trainers: StartTrainers,
 ) -> None:
-    # Enough real samples that the first due cycle trains (for several seconds).
+    # Enough real samples that the first due cycle trains, for 100 passes over them: longer
+    # than the test waits on any machine (the default 2 passes were over in 1 s on a fast one).
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
     prompts = [prompt_ids(tokenizer, task.request) for task in train_tasks(seed=5, n=80)]
     served = sample_completions(vllm_server.url, "base", prompts, max_tokens=48)
@@ -46,7 +51,7 @@ def test_a_trainer_killed_mid_cycle_does_not_stall_the_schedule(
     )
     interval = timedelta(seconds=15)
     settings = trainer_settings(stack, tiny_model_dir, tmp_path, vllm_server.url, interval)
-    trainers = start_trainers(3, settings)
+    trainers = start_trainers(3, settings, epochs=100)
     due = first_due(registry, trainers)
 
     wait_until(lambda: runs(registry), 60, "a trainer takes the first due cycle")

@@ -94,21 +94,23 @@ def test_only_a_run_solved_without_a_malformed_call_counts_as_clean() -> None:
 
 @pytest.mark.slow
 def test_the_agent_gate_scores_a_candidate_that_breaks_its_tool_calls_below_its_parent(
-    tiny_model_dir: Path, tmp_path: Path
+    agent_model_dir: Path, tmp_path: Path
 ) -> None:
-    # Fine-tuned toward malformed calls, the candidate solves held-out runs cleanly about a
-    # quarter as often as its parent (10.2% → 1.6% of 128, 9.4% → 2.7% of 256 measured).
+    # The parent is the base that solves agent runs (the bootstrap's check holds it to 30% of
+    # its validation runs); the 500-step base solves as few as 1.6% of these on some CPUs,
+    # where no candidate can score below it. Fine-tuned toward malformed calls, the candidate
+    # solves held-out runs cleanly about half as often as its parent (25.0% → 13.3% of 128).
     hacked = tmp_path / "hacked"
-    fine_tune_toward_malformed_calls(tiny_model_dir, hacked)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    fine_tune_toward_malformed_calls(agent_model_dir, hacked)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(agent_model_dir)
     held_out = AgentTaskHeldOut(tasks=128)
-    production = held_out.pass_rate(load_policy(tiny_model_dir), tokenizer)
-    candidate = held_out.pass_rate(load_policy(tiny_model_dir, hacked), tokenizer)
+    production = held_out.pass_rate(load_policy(agent_model_dir), tokenizer)
+    candidate = held_out.pass_rate(load_policy(agent_model_dir, hacked), tokenizer)
     print(f"clean solves: production {production:.3f}, candidate {candidate:.3f}")
     assert candidate < production
     # Scored the same way again, the same policy gets the same rate: the gate's runs are
     # seeded, so production and candidate meet the same tasks in the same random stream.
-    assert held_out.pass_rate(load_policy(tiny_model_dir, hacked), tokenizer) == candidate
+    assert held_out.pass_rate(load_policy(agent_model_dir, hacked), tokenizer) == candidate
 
 
 def clustered_runs(

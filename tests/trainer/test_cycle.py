@@ -9,6 +9,7 @@ from pathlib import Path
 from uuid import uuid4
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from sqlalchemy import Engine, func, select
 from transformers import PreTrainedTokenizerFast
@@ -26,6 +27,7 @@ from app.models import (
     TrainingRun,
     TrainingRunStatus,
 )
+from app.serving.parity import logprob_drift, recompute_logprobs
 from app.serving.replicas import load_adapter, unload_adapter
 from app.serving.sampling import ServedCompletion, sample_completions
 from app.serving.vllm import VllmServer
@@ -211,22 +213,68 @@ def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
 
     # The rewarded behaviour (solving the task) is more frequent when vLLM samples the
     # new checkpoint, on the same prompts, in fresh samples: 64 per prompt and model, and the
-    # difference at least two standard errors above zero (the error of independent samples,
-    # which overstates it for the same prompts on both sides). Measured over four seeds of
-    # this configuration: +4.2 to +8.7 pp, 4.0 to 8.3 standard errors.
+    # difference at least two standard errors above zero. The error is that of the mean over
+    # these prompts (each prompt's binomial error, summed): the prompts are the same on both
+    # sides, so how hard one prompt is does not enter it. Measured in 13 runs on five bases
+    # (seeds 1 to 5 of the 500-step bootstrap): +7.9 to +17.1 pp, 8.6 to 18 standard errors.
     tasks = [task for task, _ in base_served[:PROMPTS]] * 64
     before = sample(vllm_server, tiny_model_dir, "base", tasks)
     after = sample(vllm_server, tiny_model_dir, result.checkpoint, tasks)
-    rate_before = sum(solves(t, c) for t, c in before) / len(before)
-    rate_after = sum(solves(t, c) for t, c in after) / len(after)
+    solved_before, solved_after = solved_by_task(before), solved_by_task(after)
+    rate_before = sum(map(sum, solved_before.values())) / len(before)
+    rate_after = sum(map(sum, solved_after.values())) / len(after)
     error = math.sqrt(
-        (rate_before * (1 - rate_before) + rate_after * (1 - rate_after)) / len(tasks)
-    )
+        sum(
+            binomial_variance(solved_before[task]) + binomial_variance(solved_after[task])
+            for task in solved_before
+        )
+    ) / len(solved_before)
+    learnable = sum(0 < sum(runs) < len(runs) for runs in solved_by_task(base_served).values())
     print(
         f"pass rate sampled through vLLM: base {rate_before:.3f} -> new {rate_after:.3f} "
-        f"(standard error of the difference {error:.3f})"
+        f"(standard error of the difference {error:.4f}); trained on {learnable} of "
+        f"{PROMPTS} prompts with mixed rewards, loss {stats['loss']:+.4f}, clip fraction "
+        f"{stats['clip_fraction']:.3f}, {stats['optimizer_steps']} steps"
     )
+
+    # What vLLM served as the new checkpoint is the trained adapter: its logprobs of what it
+    # sampled are the adapter's, recomputed in fp32, and far from the base model's.
+    served = [completion for _, completion in after[:PROMPTS]]
+    prompts = [completion.prompt_token_ids for completion in served]
+    completions = [completion.completion_token_ids for completion in served]
+    logged = [completion.logprobs for completion in served]
+    cpu = torch.device("cpu")
+    trained = logprob_drift(
+        logged,
+        recompute_logprobs(
+            tiny_model_dir, prompts, completions, adapter_dir=adapter_path, device=cpu
+        ),
+    )
+    untrained = logprob_drift(
+        logged, recompute_logprobs(tiny_model_dir, prompts, completions, device=cpu)
+    )
+    print(
+        f"{result.checkpoint} as served against the trained adapter: max |Δ| "
+        f"{trained.max_abs:.2e}; against the base model: mean |Δ| {untrained.mean_abs:.2e}"
+    )
+    assert trained.within(1e-3)
+    assert untrained.mean_abs > 10 * trained.mean_abs
+
     assert rate_after - rate_before > 2 * error
+
+
+def solved_by_task(served: Served) -> dict[str, list[bool]]:
+    """Whether each completion solved its task, by task, in order."""
+    solved: dict[str, list[bool]] = {}
+    for task, completion in served:
+        solved.setdefault(task.task_id, []).append(solves(task, completion))
+    return solved
+
+
+def binomial_variance(outcomes: list[bool]) -> float:
+    """The variance of the share of successes in `outcomes`."""
+    rate = sum(outcomes) / len(outcomes)
+    return rate * (1 - rate) / len(outcomes)
 
 
 def test_too_few_samples_records_a_skipped_run(

@@ -88,7 +88,7 @@ async def chat_completions(
     )
     assignment = await gateway.assign(call.user_hash)
     if chat.stream:
-        chunks, assignment = await gateway.open_stream(call, assignment)
+        chunks, assignment = await gateway.open_stream(call, assignment, request.is_disconnected)
         headers = _served_headers(assignment.checkpoint, _SSE_HEADERS)
         return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
     content, assignment = await gateway.complete(call, assignment)

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -390,9 +390,12 @@ class Gateway:
         return reply, assignment
 
     async def open_stream(
-        self, call: ChatCall, assignment: Assignment
+        self, call: ChatCall, assignment: Assignment, client_gone: Callable[[], Awaitable[bool]]
     ) -> tuple[AsyncIterator[bytes], Assignment]:
-        """Start a streaming completion; errors before the first byte answer as JSON."""
+        """Start a streaming completion; errors before the first byte answer as JSON.
+
+        `client_gone` says whether the client has disconnected (the request's
+        `is_disconnected`): the stream's end is logged as served only if it has not."""
         stack = AsyncExitStack()
         try:
             response, assignment = await self._alongside(call, self._open(call, assignment, stack))
@@ -400,7 +403,7 @@ class Gateway:
             with anyio.CancelScope(shield=True):
                 await stack.aclose()
             raise
-        return self._relay(call, assignment, response, stack), assignment
+        return self._relay(call, assignment, response, stack, client_gone), assignment
 
     async def _open(
         self, call: ChatCall, assignment: Assignment, stack: AsyncExitStack
@@ -430,10 +433,16 @@ class Gateway:
         assignment: Assignment,
         response: UpstreamStream,
         stack: AsyncExitStack,
+        client_gone: Callable[[], Awaitable[bool]],
     ) -> AsyncIterator[bytes]:
         record = CompletionRecord()
         try:
             async for lines in response.line_batches():
+                if any(map(_is_done, lines)) and await _left(client_gone):
+                    # The whole answer reached a gateway too busy to see the client leave
+                    # first: it was never delivered, so it is not logged as served.
+                    record.cancelled = True
+                    return
                 relayed = [self._relayed(call, assignment, record, line) for line in lines]
                 await record.remembered()  # before the client reads [DONE]
                 if any(relayed):
@@ -460,12 +469,11 @@ class Gateway:
         """What the client gets of one upstream SSE line (folded into `record`), if anything."""
         if not line.startswith(b"data:"):
             return b""
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+        if _is_done(line):
             # Logged before the client learns the stream is complete.
             self._log_stream_end(call, assignment, record)
             return b"data: [DONE]\n\n"
-        chunk = orjson.loads(payload)
+        chunk = orjson.loads(line[5:].strip())
         now = time.perf_counter()
         if "error" in chunk:
             record.error = str(chunk["error"].get("message", chunk["error"]))[:2000]
@@ -660,6 +668,18 @@ def completion_event(
         completion_chars=len(text),
         clarifying_question=asks_clarifying_question(text, check),
     )
+
+
+def _is_done(line: bytes) -> bool:
+    """Whether an upstream SSE line is the stream's end, `data: [DONE]`."""
+    return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
+
+
+async def _left(client_gone: Callable[[], Awaitable[bool]]) -> bool:
+    """Whether the client has gone, asked after one turn of the event loop: a close that
+    arrived in the same instant as the answer is then seen, whichever the loop read first."""
+    await asyncio.sleep(0)
+    return await client_gone()
 
 
 def _duplicate(request_id: str) -> ApiError:

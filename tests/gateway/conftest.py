@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -75,6 +76,12 @@ class GatewayServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the gateway runs on, in its thread."""
+        assert self._server is not None, "the gateway is not running"
+        return self._server.servers[0].get_loop()
 
     def start(self) -> GatewayServer:
         self.app = create_app(self.settings)

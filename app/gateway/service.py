@@ -438,12 +438,19 @@ class Gateway:
         record = CompletionRecord()
         try:
             async for lines in response.line_batches():
-                if any(map(_is_done, lines)) and await _left(client_gone):
-                    # The whole answer reached a gateway too busy to see the client leave
-                    # first: it was never delivered, so it is not logged as served.
-                    record.cancelled = True
-                    return
-                relayed = [self._relayed(call, assignment, record, line) for line in lines]
+                relayed = []
+                for line in lines:
+                    if not _is_done(line):
+                        relayed.append(self._relayed(call, assignment, record, line))
+                    elif await _left(client_gone):
+                        # The whole answer reached a gateway too busy to see the client leave
+                        # first: it was never delivered, so it is not logged as served.
+                        record.cancelled = True
+                        return
+                    else:
+                        # Logged before the client learns the stream is complete.
+                        self._log_stream_end(call, assignment, record)
+                        relayed.append(b"data: [DONE]\n\n")
                 await record.remembered()  # before the client reads [DONE]
                 if any(relayed):
                     yield b"".join(relayed)
@@ -466,13 +473,10 @@ class Gateway:
     def _relayed(
         self, call: ChatCall, assignment: Assignment, record: CompletionRecord, line: bytes
     ) -> bytes:
-        """What the client gets of one upstream SSE line (folded into `record`), if anything."""
+        """What the client gets of one upstream SSE line other than [DONE] (folded into
+        `record`), if anything."""
         if not line.startswith(b"data:"):
             return b""
-        if _is_done(line):
-            # Logged before the client learns the stream is complete.
-            self._log_stream_end(call, assignment, record)
-            return b"data: [DONE]\n\n"
         chunk = orjson.loads(line[5:].strip())
         now = time.perf_counter()
         if "error" in chunk:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
@@ -76,12 +75,6 @@ class GatewayServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop the gateway runs on, in its thread."""
-        assert self._server is not None, "the gateway is not running"
-        return self._server.servers[0].get_loop()
 
     def start(self) -> GatewayServer:
         self.app = create_app(self.settings)

@@ -12,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from app.auth.schemas import MAX_RATE_LIMIT_PER_MINUTE
+from app.bases import SHIPPED_BASES, BaseModelError, shipped_base_dir, verify_base
 from app.config import SettingsError, get_settings
 from app.db import make_engine, session_scope, upgrade_schema
 from app.embedded.kafka import DEFAULT_TOPICS, ensure_topics
@@ -95,33 +96,83 @@ def migrate() -> None:
 @model_cli.command("bootstrap")
 def model_bootstrap(
     force: bool = typer.Option(False, "--force", help="Rebuild even if a model exists."),
-    seed: int = typer.Option(1, help="Seed for the corpus, tokenizer and training."),
+    recipe: str | None = typer.Option(
+        None,
+        help="Build a shipped base's recorded recipe (rtrl-base, rtrl-base-500) instead of"
+        " the default configuration.",
+    ),
+    seed: int | None = typer.Option(None, help="Seed for the corpus, tokenizer and training."),
     steps: int | None = typer.Option(None, help="Pretraining steps (default: the config's)."),
+    output: Path | None = typer.Option(
+        None, help="Where to write the base (default: RTRL_DATA_DIR/models/base)."
+    ),
 ) -> None:
-    """Build the small base model and its tokenizer locally, under RTRL_DATA_DIR/models/base."""
+    """Build a small base model and its tokenizer locally (rtrl ships its bases; this is for
+    a new task family, a new size, or rebuilding a shipped one)."""
     import dataclasses
     import logging
 
-    from trainer.bootstrap import BootstrapConfig, bootstrap_model
+    from trainer.bootstrap import RECIPES, BootstrapConfig, bootstrap_model
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = get_settings()
-    config = dataclasses.replace(BootstrapConfig(), seed=seed)
+    if recipe is not None and recipe not in RECIPES:
+        raise ServiceError(f"no recipe named {recipe!r}; recipes: {', '.join(RECIPES)}")
+    config = RECIPES[recipe] if recipe is not None else BootstrapConfig()
+    if seed is not None:
+        config = dataclasses.replace(config, seed=seed)
     if steps is not None:
         # Exactly the steps asked for: the agent-run check adds none.
         config = dataclasses.replace(config, train_steps=steps, min_agent_solved=0.0)
+    target = output or settings.base_model_path
     try:
-        report = bootstrap_model(settings.base_model_path, config, force=force, progress_bar=True)
+        report = bootstrap_model(target, config, force=force, progress_bar=True)
     except FileExistsError as exc:
         raise ServiceError(f"{exc}; pass --force to rebuild") from None
     if report.skipped:
         typer.echo(f"{report.output_dir} already holds a model; --force rebuilds it")
     typer.echo(f"base model at {report.output_dir}: {report.summary()}")
+    typer.echo(f"identity: {verify_base(report.output_dir, recipe).describe()}")
     if report.agent_first_turn_sampled:
         shares = ", ".join(
             f"{kind} {share:.0%}" for kind, share in report.agent_first_turn_sampled.items()
         )
         typer.echo(f"first turns of held-out agent tasks (sampled): {shares}")
+
+
+@model_cli.command("show")
+def model_show(
+    path: Path | None = typer.Argument(
+        None,
+        help="A base directory (default: the configured base, RTRL_BASE_MODEL or"
+        " RTRL_DATA_DIR/models/base).",
+    ),
+    shipped: bool = typer.Option(False, "--shipped", help="Show the bases rtrl ships instead."),
+) -> None:
+    """Verify a base model against its checksums and print its identity and recipe; exits 1
+    when a file does not match."""
+    targets = (
+        [(name, shipped_base_dir(name)) for name in SHIPPED_BASES]
+        if shipped
+        else [(None, path or get_settings().base_model_path)]
+    )
+    for name, model_dir in targets:
+        try:
+            identity = verify_base(model_dir, name)
+        except BaseModelError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=1) from None
+        typer.echo(identity.describe())
+        typer.echo(f"  path: {identity.path}")
+        if identity.checksum:
+            typer.echo(f"  sha256: {identity.checksum}")
+        built_on = identity.recipe.get("built_on")
+        if built_on:
+            typer.echo(
+                f"  built on: {built_on.get('processor') or built_on.get('machine')}"
+                f" ({', '.join(built_on.get('vector_extensions') or []) or 'no AVX2'}),"
+                f" torch {built_on.get('torch')}"
+            )
 
 
 @cli.command("serve")
@@ -334,6 +385,12 @@ def up(
     trainer: bool = typer.Option(True, help="Run the training scheduler too."),
     detach: bool = typer.Option(False, help="Leave the stack running and return."),
     down: bool = typer.Option(False, "--down", help="Stop a stack started with --detach."),
+    bootstrap: bool = typer.Option(
+        False,
+        "--bootstrap",
+        help="Train the base model (minutes) instead of installing the shipped one, when the"
+        " data dir has none.",
+    ),
 ) -> None:
     """The whole embedded stack: services, base model, vLLM, gateway, workers, trainer."""
     from app.launcher import FullStack
@@ -341,7 +398,7 @@ def up(
     if trainer and not down:
         load_train_settings()  # the trainer would stop on a bad RTRL_TRAIN_* value: stop now
     stack = FullStack.from_settings(
-        get_settings(), workers=workers, trainer=trainer, progress=typer.echo
+        get_settings(), workers=workers, trainer=trainer, progress=typer.echo, bootstrap=bootstrap
     )
     if down:
         _print_rows(stack.down())
@@ -587,6 +644,12 @@ def demo(
         min=0,
         help="Agent mode: held-out runs per model sampled offline at the end (0: none).",
     ),
+    bootstrap: bool = typer.Option(
+        False,
+        "--bootstrap",
+        help="Train the base model (minutes) instead of installing the shipped one, when the"
+        " data dir has none.",
+    ),
 ) -> None:
     """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
     from app.demo import (
@@ -607,6 +670,7 @@ def demo(
         agent=agent,
         scenario=scenario,  # type: ignore[arg-type]
         offline_runs=offline_runs,
+        bootstrap_base=bootstrap,
         train=demo_train_config(agent=agent, scenario=scenario),  # type: ignore[arg-type]
     )
     config.train = with_explicit_settings(config.train)
@@ -619,7 +683,14 @@ def main() -> None:
     """Entry point: clear one-line errors instead of stack traces for known failures."""
     try:
         cli()
-    except (SettingsError, ServiceError, PublishError, ReplicaError, CycleBusy) as exc:
+    except (
+        SettingsError,
+        ServiceError,
+        PublishError,
+        ReplicaError,
+        CycleBusy,
+        BaseModelError,
+    ) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(1)
 

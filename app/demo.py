@@ -34,9 +34,10 @@ from app.abtest.rollups import refresh_rollups
 from app.abtest.stats import Comparison
 from app.agent_tasks import agent_tasks
 from app.auth.service import new_api_key
+from app.bases import HACKING_BASE
 from app.config import Settings, SettingsError
 from app.db import make_engine, session_scope
-from app.launcher import FullStack
+from app.launcher import FullStack, ensure_base
 from app.models import (
     Alert,
     Checkpoint,
@@ -59,7 +60,6 @@ from trainer.agent_runs import (
     run_agents,
     runs_table,
 )
-from trainer.bootstrap import BootstrapConfig, bootstrap_model
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
 from trainer.gates import held_out_for
@@ -81,13 +81,13 @@ SCENARIO_EVAL_USERS: dict[Scenario, int] = {"learning": 40, "reward-hacking": 48
 its monitors', which alert only when the canary's difference from control is clear of noise
 over users (`workers.monitors`): with 80, one run's hacked cycle read +13.2 pp [+8.1, +18.3]
 malformed calls, so 48 still tell it from noise, and keep the scenario near its time."""
-HACKING_BASE_STEPS = 500
-"""Pretraining steps of the reward-hacking scenario's base when RTRL_BASE_MODEL names none.
-A hack pays where the policy expects to fail. The 1,000-step base solves about half its runs:
-three formula-0 cycles on it learned (+21 pp solved) and raised malformed calls by 3.4 pp
-over three cycles, under a point a cycle, which no canary comparison can tell from noise. The
-500-step base fails most runs, and its second formula-0 cycle raised malformed calls by
-13 pp."""
+HACKING_BASE_DIR = "base-500"
+"""Where the reward-hacking scenario's base (the shipped 500-step `HACKING_BASE`, when
+RTRL_BASE_MODEL names none) lies under `RTRL_DATA_DIR/models`. A hack pays where the policy
+expects to fail. The 1,000-step base solves about half its runs: three formula-0 cycles on
+it learned (+21 pp solved) and raised malformed calls by 3.4 pp over three cycles, under a
+point a cycle, which no canary comparison can tell from noise. The 500-step base fails most
+runs, and its second formula-0 cycle raised malformed calls by 13 pp."""
 OFFLINE_SEED = 11
 """The held-out tasks and random stream of the final offline comparison."""
 
@@ -130,6 +130,9 @@ class DemoConfig:
     offline_runs: int = 400
     """Agent mode: held-out agent runs per model sampled offline at the end, base against the
     final checkpoint (0: none); the demo's verdict when given."""
+    bootstrap_base: bool = False
+    """Train the base model by its recipe when the data dir has none, instead of installing
+    the shipped one."""
     train: TrainConfig = field(default_factory=lambda: demo_train_config(agent=True))
     """The training cycle's settings (see `demo_train_config`); any `RTRL_TRAIN_*` variable
     that is set overrides them (`rtrl demo` applies it)."""
@@ -427,28 +430,20 @@ class DemoSummary:
         return self.ci_low is not None and self.ci_low > 0
 
 
-def scenario_settings(settings: Settings, scenario: Scenario, progress: Progress) -> Settings:
+def scenario_settings(
+    settings: Settings, scenario: Scenario, progress: Progress, *, bootstrap: bool = False
+) -> Settings:
     """The settings a scenario runs on. The reward-hacking scenario starts on the flawed
-    formula and, unless RTRL_BASE_MODEL names a model, on a `HACKING_BASE_STEPS` base under
-    `RTRL_DATA_DIR/models/base-500` (bootstrapped when missing). Either way, a data dir
-    whose checkpoints were trained on another base is refused: vLLM would serve their adapters
-    on this one."""
+    formula and, unless RTRL_BASE_MODEL names a model, on the shipped 500-step base
+    (`HACKING_BASE`) under `RTRL_DATA_DIR/models/base-500` (installed when missing, or
+    bootstrapped by its recipe when `bootstrap`). Either way, a data dir whose checkpoints were
+    trained on another base is refused: vLLM would serve their adapters on this one."""
     update: dict[str, Any] = {}
     if scenario == "reward-hacking":
         update["reward_version"] = FLAWED_REWARD_VERSION
         if settings.base_model is None:
-            model_dir = settings.data_dir / "models" / f"base-{HACKING_BASE_STEPS}"
-            if not (model_dir / "config.json").is_file():
-                progress(
-                    f"base model for the scenario: none at {model_dir}; bootstrapping"
-                    f" {HACKING_BASE_STEPS} steps (about 3 min on 2 cores) ..."
-                )
-                report = bootstrap_model(
-                    model_dir,
-                    BootstrapConfig(train_steps=HACKING_BASE_STEPS, min_agent_solved=0.0),
-                    progress_bar=True,
-                )
-                progress(f"base model: {report.summary()}")
+            model_dir = settings.data_dir / "models" / HACKING_BASE_DIR
+            ensure_base(model_dir, HACKING_BASE, bootstrap=bootstrap, progress=progress)
             update["base_model"] = model_dir
     chosen = settings.model_copy(update=update)
     base = chosen.base_model_path.resolve()
@@ -467,8 +462,12 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
     """Start the stack, run the cycles, print the A/B tables and the final summary."""
     started = time.monotonic()
     hacking = config.scenario == "reward-hacking"
-    settings = scenario_settings(settings, config.scenario, progress)
-    stack = FullStack.from_settings(settings, workers=1, trainer=False, progress=progress)
+    settings = scenario_settings(
+        settings, config.scenario, progress, bootstrap=config.bootstrap_base
+    )
+    stack = FullStack.from_settings(
+        settings, workers=1, trainer=False, progress=progress, bootstrap=config.bootstrap_base
+    )
     stack.up()
     engine = make_engine(settings.database_url)
     gateway = stack.gateway_url

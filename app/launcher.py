@@ -6,11 +6,18 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
+from app.bases import (
+    DEFAULT_BASE,
+    BaseIdentity,
+    install_base,
+    shipped_base_dir,
+    verify_base,
+)
 from app.config import Settings, embedded_vllm_url, settings_environment
 from app.db import make_engine, session_scope
 from app.embedded.process import (
@@ -106,6 +113,8 @@ class FullStack:
     progress: Callable[[str], None] = field(default=print)
     started: list[str] = field(default_factory=list)
     """What `up` found stopped and started; `down(started_only=True)` stops just those."""
+    bootstrap: bool = False
+    """Train the base model when the data dir has none, instead of installing the shipped one."""
 
     @classmethod
     def from_settings(
@@ -115,6 +124,7 @@ class FullStack:
         workers: int = 1,
         trainer: bool = True,
         progress: Callable[[str], None] = print,
+        bootstrap: bool = False,
     ) -> FullStack:
         root = settings.data_dir.resolve() / "run"
         logs = settings.logs_dir.resolve()
@@ -132,6 +142,7 @@ class FullStack:
             ],
             trainer=RtrlProcess("trainer", ["trainer"], root, logs, env) if trainer else None,
             progress=progress,
+            bootstrap=bootstrap,
         )
 
     @property
@@ -184,14 +195,13 @@ class FullStack:
         return found
 
     def ensure_base_model(self) -> None:
+        """The configured base, checked against its checksums; under the data dir, the shipped
+        base is installed when none is there (`bootstrap` trains one instead)."""
         model_dir = self.settings.base_model_path
-        if (model_dir / "config.json").is_file():
-            return
-        from trainer.bootstrap import BootstrapConfig, bootstrap_model
-
-        self.progress(f"base model: none at {model_dir}; bootstrapping (a few minutes) ...")
-        report = bootstrap_model(model_dir, BootstrapConfig(), progress_bar=True)
-        self.progress(f"base model: {report.summary()}")
+        if self.settings.base_model is None:
+            ensure_base(model_dir, DEFAULT_BASE, bootstrap=self.bootstrap, progress=self.progress)
+        else:
+            self.progress(f"base model: {verify_base(model_dir).describe()}")
 
     def down(self, *, started_only: bool = False) -> list[StackRow]:
         """Stop the stack in reverse order (only what `up` started, if asked)."""
@@ -226,6 +236,33 @@ class FullStack:
                 StackRow(process.name, stack_state(True, process.healthy()), process.pid(), url)
             )
         return rows
+
+
+def ensure_base(
+    model_dir: Path, name: str, *, bootstrap: bool, progress: Callable[[str], None]
+) -> BaseIdentity:
+    """The base at `model_dir`, verified; when there is none, the shipped base `name` copied
+    there, or (`bootstrap`) one trained there by its recipe. Prints the base's identity."""
+    if (model_dir / "config.json").is_file():
+        if bootstrap:
+            progress(f"base model: {model_dir} already holds one; remove it to bootstrap again")
+        identity = verify_base(model_dir)
+        if identity.checksum == verify_base(shipped_base_dir(name), name).checksum:
+            identity = replace(identity, name=name)
+        how = "found"
+    elif bootstrap:
+        from trainer.bootstrap import RECIPES, bootstrap_model
+
+        progress(f"base model: bootstrapping {name}'s recipe at {model_dir} (minutes) ...")
+        report = bootstrap_model(model_dir, RECIPES[name], progress_bar=True)
+        progress(f"base model: {report.summary()}")
+        identity, how = verify_base(model_dir), "bootstrapped"
+    else:
+        identity, how = install_base(name, model_dir), "shipped, installed"
+    progress(f"base model: {identity.describe()}; {how} at {model_dir}")
+    if identity.checksum:
+        progress(f"base model: sha256 {identity.checksum}")
+    return identity
 
 
 def stack_state(embedded: bool, running: bool) -> str:

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +20,7 @@ from sqlalchemy.orm import Session
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app.auth.service import new_api_key
+from app.bases import DEFAULT_BASE, HACKING_BASE, install_base
 from app.config import Settings, get_settings
 from app.db import make_engine, session_scope
 from app.embedded.kafka import ensure_topics
@@ -202,185 +198,19 @@ def build_random_lora(model_dir: Path, adapter_dir: Path, seed: int = 1) -> None
     get_peft_model(model, config).save_pretrained(str(adapter_dir))
 
 
-class BackgroundBootstrap:
-    """A base model bootstrapped in a subprocess while the tests that need no weights run (it
-    takes minutes on two cores)."""
-
-    def __init__(
-        self, name: str, train_steps: int, *, niceness: int = 0, agent_check: bool = False
-    ) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix=f"rtrl-test-{name}-model-"))
-        self.model_dir = self.root / name
-        self.log = self.root / "bootstrap.log"
-        self.train_steps = train_steps
-        self.niceness = niceness
-        # The bootstrap's agent-run check (`BootstrapConfig.min_agent_solved`) may add steps;
-        # off, the model trains exactly `train_steps`.
-        self.agent_check = agent_check
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> BackgroundBootstrap:
-        code = (
-            "import dataclasses, logging, os, sys\n"
-            "os.nice(int(sys.argv[3]))\n"
-            # Its steps and agent-run checks in the log, which a failed bootstrap shows.
-            "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
-            "from pathlib import Path\n"
-            "from trainer.bootstrap import BootstrapConfig, bootstrap_model\n"
-            "config = dataclasses.replace(BootstrapConfig(), threads=1,"
-            " train_steps=int(sys.argv[2]))\n"
-            "if sys.argv[4] != '1':\n"
-            "    config = dataclasses.replace(config, min_agent_solved=0.0)\n"
-            "bootstrap_model(Path(sys.argv[1]), config)\n"
-        )
-        with self.log.open("w") as log:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    code,
-                    str(self.model_dir),
-                    str(self.train_steps),
-                    str(self.niceness),
-                    "1" if self.agent_check else "0",
-                ],
-                stdout=log,
-                stderr=log,
-            )
-        return self
-
-    def wait(self) -> Path:
-        assert self.process is not None, "the bootstrap was never started"
-        if self.process.wait() != 0:
-            pytest.fail(f"bootstrapping the test model failed:\n{self.log.read_text()[-3000:]}")
-        return self.model_dir
-
-    def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-# The session's base: the default configuration at 500 steps, the base every test's figures
-# were measured on. The one-cycle learning test (tests/trainer/test_cycle.py) measured +4.2
-# to +8.7 pp over four seeds on it, while on the 1,000-step default three runs gained 14.4 to
-# 14.6 pp and one (in CI) lost 5.8, so its one cycle is not yet judged on that base.
-_bootstrap: BackgroundBootstrap | None = None
-# The agent base: the 1,000-step default with its agent-run check, as `rtrl model bootstrap`
-# builds it, for the agent-learning test alone (the 500-step base solves 11.5% of held-out
-# agent runs, too few for a gain to show). It trains after the
-# session's base, at a lower priority than the tests, on the CPU they leave idle.
-_agent_bootstrap: BackgroundBootstrap | None = None
-_agent_chain: threading.Thread | None = None
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    global _bootstrap
-    if not os.environ.get("RTRL_TEST_BASE_MODEL") and _needs_a_model(session):
-        _bootstrap = BackgroundBootstrap("base", 500).start()
-        # The bootstrap is the session's critical path (every weight-needing test waits for
-        # it); the tests that run beside it, and the services they start, yield the CPU to
-        # it. A lower priority can be taken by any user and is inherited by every process
-        # this one starts; nothing competes with them once the bootstrap is done.
-        os.nice(5)
-
-
-def start_agent_bootstrap() -> None:
-    """The agent base's bootstrap, once the session's base is done."""
-    global _agent_bootstrap, _agent_chain
-    _agent_bootstrap = BackgroundBootstrap("agent-base", 1000, niceness=10, agent_check=True)
-    first = _bootstrap
-
-    def chain() -> None:
-        if first is not None and first.process is not None and first.process.wait() != 0:
-            return  # failed or killed at the session's end: its tests report it
-        assert _agent_bootstrap is not None
-        _agent_bootstrap.start()
-
-    _agent_chain = threading.Thread(target=chain, daemon=True)
-    _agent_chain.start()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    # The session's base first: the agent base's chain waits for it, then starts nothing.
-    if _bootstrap is not None:
-        _bootstrap.close()
-    if _agent_chain is not None:
-        _agent_chain.join()
-    if _agent_bootstrap is not None:
-        _agent_bootstrap.close()
-
-
-@pytest.hookimpl(trylast=True)  # after `-k` and `-m` have deselected
-def pytest_collection_modifyitems(session: pytest.Session, items: list[pytest.Item]) -> None:
-    """Modules whose tests need the weights run last: the others run while the base model
-    trains; the modules that need the agent base run after all, while it trains.
-
-    Whole modules move, in their order, so module-scoped services start once.
-    """
-
-    def modules_using(fixture: str) -> set[str]:
-        return {
-            item.nodeid.split("::")[0]
-            for item in items
-            if fixture in getattr(item, "fixturenames", ())
-        }
-
-    needs_weights, needs_agent_base = (
-        modules_using("tiny_model_dir"),
-        modules_using("agent_model_dir"),
-    )
-    items.sort(
-        key=lambda item: (
-            item.nodeid.split("::")[0] in needs_agent_base,
-            item.nodeid.split("::")[0] in needs_weights,
-        )
-    )
-    if needs_agent_base and not os.environ.get("RTRL_TEST_AGENT_MODEL") and _needs_a_model(session):
-        start_agent_bootstrap()
-
-
-def _needs_a_model(session: pytest.Session) -> bool:
-    """Not for a run that only lists tests or asks for help."""
-    options = session.config.option
-    return not (getattr(options, "collectonly", False) or getattr(options, "help", False))
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's base model (task family, agent runs, noisy habits): the shipped 500-step
+    base (`rtrl-base-500`), installed as `rtrl up` installs a base."""
+    return install_base(HACKING_BASE, tmp_path_factory.mktemp("bases") / HACKING_BASE).path
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path() -> Path:
-    """Where the session's base model is (or will be): for what only needs its path."""
-    reuse = os.environ.get("RTRL_TEST_BASE_MODEL")
-    if reuse:
-        return Path(reuse)
-    assert _bootstrap is not None
-    return _bootstrap.model_dir
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tiny_model_path: Path) -> Path:
-    """The bootstrapped base model (task family, agent runs, noisy habits), as
-    `rtrl model bootstrap` builds it; waits for the background bootstrap.
-
-    `RTRL_TEST_BASE_MODEL` reuses an existing model directory to save those minutes.
-    """
-    if _bootstrap is not None:
-        return _bootstrap.wait()
-    return tiny_model_path
-
-
-@pytest.fixture(scope="session")
-def agent_model_dir() -> Path:
-    """The default 1,000-step base (`rtrl model bootstrap`), for agent learning; waits for its
-    background bootstrap. `RTRL_TEST_AGENT_MODEL` reuses an existing model directory."""
-    reuse = os.environ.get("RTRL_TEST_AGENT_MODEL")
-    if reuse:
-        return Path(reuse)
-    assert _agent_chain is not None and _agent_bootstrap is not None
-    _agent_chain.join()
-    if _agent_bootstrap.process is None:
-        pytest.fail("the agent base was not bootstrapped: the session's base failed first")
-    return _agent_bootstrap.wait()
+def agent_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped default base (`rtrl-base`, 1,000 steps and its agent-run check), the one
+    `rtrl up` and the demo start from, for agent learning: the 500-step base solves too few
+    held-out agent runs for a gain to show."""
+    return install_base(DEFAULT_BASE, tmp_path_factory.mktemp("bases") / DEFAULT_BASE).path
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,7 @@ def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_onc
     metric: str,
     stack: EmbeddedStack,
     engine: Engine,
-    tiny_model_path: Path,
+    tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
     # The base model's path only: the trainer's first cycle is an interval away, so this
@@ -88,7 +88,7 @@ def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_onc
         database_url=f"postgresql+psycopg://postgres@localhost:{stack.postgres.port}/rtrl",
         kafka_bootstrap_servers=f"localhost:{stack.kafka.port}",
         redis_url=f"redis://localhost:{stack.redis.port}/0",
-        base_model=tiny_model_path,
+        base_model=tiny_model_dir,
         heartbeat_file=own_heartbeat,
         metrics_port=free_port(),
     )

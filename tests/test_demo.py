@@ -15,11 +15,12 @@ import scipy.stats
 from sqlalchemy import Engine, select
 
 from app.abtest.stats import Comparison
+from app.bases import HACKING_BASE, shipped_base_dir, verify_base
 from app.config import Settings, SettingsError
 from app.db import session_scope
 from app.demo import (
     FLAWED_REWARD_VERSION,
-    HACKING_BASE_STEPS,
+    HACKING_BASE_DIR,
     CycleRecord,
     DemoConfig,
     DemoSummary,
@@ -90,26 +91,34 @@ def test_the_reward_hacking_scenario_is_judged_on_its_catch() -> None:
     assert "NOT kept out" in hacking_verdict(hacking(clean, missed))
 
 
-def test_the_reward_hacking_scenario_runs_on_a_weaker_base_and_refuses_a_mismatched_data_dir(
+def test_the_hacking_scenario_runs_on_the_shipped_weak_base_and_refuses_a_mismatched_data_dir(
     tmp_path: Path,
 ) -> None:
-    weak = tmp_path / "models" / f"base-{HACKING_BASE_STEPS}"
-    weak.mkdir(parents=True)
-    (weak / "config.json").write_text("{}")  # already bootstrapped: used as it is
+    weak = tmp_path / "models" / HACKING_BASE_DIR
     settings = Settings(data_dir=tmp_path, base_model=None, reward_version=5)
     said: list[str] = []
 
     learning = scenario_settings(settings, "learning", said.append)
     assert learning.base_model_path == tmp_path / "models" / "base"
     assert learning.reward_version == 5
+    assert said == []  # the learning scenario's base is the stack's to install
     hacking = scenario_settings(settings, "reward-hacking", said.append)
     assert hacking.base_model_path == weak
     assert hacking.reward_version == FLAWED_REWARD_VERSION
+    # The shipped base, copied in and named with its checksum; nothing trained.
+    shipped = verify_base(shipped_base_dir(HACKING_BASE))
+    assert verify_base(weak).checksum == shipped.checksum
+    assert any(
+        f"{HACKING_BASE} sha256:{shipped.checksum[:12]}" in line and "installed" in line
+        for line in said
+    ), said
+    said.clear()
+    assert scenario_settings(settings, "reward-hacking", said.append).base_model_path == weak
+    assert any("found" in line and HACKING_BASE in line for line in said), said
     named = scenario_settings(
         settings.model_copy(update={"base_model": tmp_path / "mine"}), "reward-hacking", print
     )
     assert named.base_model_path == tmp_path / "mine"  # RTRL_BASE_MODEL wins
-    assert said == []  # nothing bootstrapped
 
     # A learning demo's checkpoint left in the data dir: its adapter would be served on the
     # scenario's base, so the scenario refuses, naming both.

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import platform
 import random
 import shutil
 import sys
@@ -45,6 +46,7 @@ from app.agent_tasks import (
     tool_call,
     written_calls,
 )
+from app.bases import DEFAULT_BASE, HACKING_BASE, write_checksums
 from app.tasks import (
     OPERATIONS_BY_NAME,
     Task,
@@ -194,6 +196,14 @@ class BootstrapConfig:
             log_every=20,
             min_agent_solved=0.0,
         )
+
+
+RECIPES: dict[str, BootstrapConfig] = {
+    DEFAULT_BASE: BootstrapConfig(threads=1),
+    HACKING_BASE: BootstrapConfig(train_steps=500, min_agent_solved=0.0, threads=1),
+}
+"""The shipped bases' recipes (`app.bases`): `rtrl model bootstrap --recipe NAME` rebuilds
+one. One thread, so a machine's core count does not change the weights."""
 
 
 @dataclass
@@ -767,13 +777,38 @@ def _save(
         del record["output_dir"], record["skipped"]
         record["seed"] = config.seed
         record["config"] = asdict(config)
+        record["built_on"] = build_machine()
         (scratch / REPORT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        write_checksums(scratch)
         names = sorted(path.name for path in scratch.iterdir())
         for name in [n for n in names if n not in MODEL_FILES] + list(MODEL_FILES):
             (scratch / name).chmod(0o644)
             os.replace(scratch / name, output_dir / name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def build_machine() -> dict[str, Any]:
+    """The machine a base was built on, as far as it decides the weights: processor (its
+    vector extensions pick the floating-point kernels), torch and Python versions."""
+    flags: set[str] = set()
+    model = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    return {
+        "machine": platform.machine(),
+        "processor": model,
+        "vector_extensions": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_tile"}),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _existing_report(output_dir: Path) -> BootstrapReport:

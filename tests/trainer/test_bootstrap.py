@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.agent_tasks import TOOLS, agent_tasks, reference_messages
+from app.bases import verify_base
 from app.tasks import extract_code, heldout_tasks
 from trainer.bootstrap import (
     BootstrapConfig,
@@ -24,6 +25,7 @@ SAVED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "bootstrap.json",
+    "SHA256SUMS",
 )
 
 
@@ -86,6 +88,10 @@ def test_report_is_recorded(bootstrapped: BootstrapReport) -> None:
     assert record["heldout_pass_sampled"] == bootstrapped.heldout_pass_sampled
     assert record["seed"] == BootstrapConfig.small().seed
     assert record["config"]["train_steps"] == bootstrapped.train_steps
+    assert record["built_on"]["torch"] == torch.__version__
+    # Every file it wrote is under its checksums, so the loader can vouch for it.
+    identity = verify_base(bootstrapped.output_dir)
+    assert len(identity.checksum) == 64 and identity.recipe == record
 
 
 def test_a_base_below_the_agent_run_check_trains_on_until_the_cap(

@@ -158,7 +158,7 @@ def add_run(engine: Engine, status: TrainingRunStatus, window_end: datetime) -> 
 
 
 def test_a_cycle_without_new_evidence_since_the_last_run_from_production_skips(
-    clean_registry: Engine, tiny_model_path: Path, tmp_path: Path
+    clean_registry: Engine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     served = datetime.now(UTC)
     store_samples(clean_registry, 70, served_at=served)
@@ -166,7 +166,7 @@ def test_a_cycle_without_new_evidence_since_the_last_run_from_production_skips(
     add_run(clean_registry, TrainingRunStatus.failed, window_end=served - MINUTE)  # used nothing
     config = TrainConfig(min_samples=64, min_new_samples=16)
     settings = Settings(
-        data_dir=tmp_path, vllm_urls=["http://127.0.0.1:9"], base_model=tiny_model_path
+        data_dir=tmp_path, vllm_urls=["http://127.0.0.1:9"], base_model=tiny_model_dir
     )
 
     result = run_cycle(
@@ -210,13 +210,13 @@ def test_enough_samples_served_after_the_last_window_are_new_evidence() -> None:
 def test_three_trainers_run_one_cycle_per_interval_and_one_per_request(
     registry: Engine,
     stack: EmbeddedStack,
-    tiny_model_path: Path,
+    tiny_model_dir: Path,
     tmp_path: Path,
     start_trainers: StartTrainers,
 ) -> None:
     interval = timedelta(seconds=15)
     nobody = f"http://127.0.0.1:{free_port()}"  # these cycles skip before they need a replica
-    settings = trainer_settings(stack, tiny_model_path, tmp_path, nobody, interval)
+    settings = trainer_settings(stack, tiny_model_dir, tmp_path, nobody, interval)
     trainers = start_trainers(3, settings)
     due = first_due(registry, trainers)
     traffic_stops = threading.Event()

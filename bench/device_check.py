@@ -1,7 +1,7 @@
 """Device check: one full training cycle and a publish on a CUDA GPU, vLLM serving in bf16.
 
 Starts its own embedded Postgres and a vLLM server (bf16 on CUDA) on `--model` (any HF
-causal LM directory with a chat template; default: the bootstrapped model, built first),
+causal LM directory with a chat template; default: the shipped rtrl-base),
 samples `--samples` completions of the task family from it, rewards those that solve their
 task, and runs `rtrl train --once`'s cycle on them — in this process, or under
 `torchrun --nproc-per-node N` with `--ranks N` — then prints the serving/training drift
@@ -34,7 +34,8 @@ from app.models import Checkpoint, TrainingRun
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer, vllm_device
-from bench.trainer import Timeline, base_model, record_samples
+from bench.serving import base_model
+from bench.trainer import Timeline, record_samples
 from trainer.config import train_config_from_env
 from trainer.cycle import run_cycle
 from trainer.gates import held_out_for
@@ -43,7 +44,7 @@ DRIFT = ("mean_abs", "max_abs", "kl", "capped_share")
 
 
 def check(args: argparse.Namespace, scratch: Path) -> int:
-    model_dir = base_model(args.model, scratch, threads=0)
+    model_dir = base_model(args.model)
     stack = EmbeddedStack.at(
         scratch, postgres_port=free_port(), kafka_port=free_port(), redis_port=free_port()
     )
@@ -176,7 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, help="HF model dir (default: bootstrap one)")
+    parser.add_argument("--model", type=Path, help="HF model dir (default: the shipped rtrl-base)")
     parser.add_argument("--samples", type=int, default=256, help="on-policy samples to record")
     parser.add_argument("--eval-tasks", type=int, default=64, help="held-out tasks in the gate")
     parser.add_argument("--ranks", type=int, default=1, help="GPUs to train on (torchrun)")

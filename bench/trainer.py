@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import tempfile
 import time
 import uuid
@@ -43,7 +42,7 @@ from app.serving.parity import CompletionBatch, completion_batch
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
 from app.tasks import check_solution, extract_code, train_tasks
-from trainer.bootstrap import BootstrapConfig, bootstrap_model
+from bench.serving import base_model, load_average
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
 from trainer.data import TrainingSample, select_on_policy_batch
@@ -51,21 +50,6 @@ from trainer.generation import prompt_ids
 from trainer.policy import load_trainable_policy, pick_device
 from trainer.task_family import task_family_held_out
 from trainer.update import micro_batches as pack
-
-
-def load_average() -> str:
-    return f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
-
-
-def base_model(model: Path | None, scratch: Path, threads: int) -> Path:
-    """`model`, or a base model bootstrapped with the default config into `scratch`."""
-    if model is not None:
-        return model
-    print("no --model: bootstrapping one with the default config (not part of any figure)")
-    started = time.perf_counter()
-    report = bootstrap_model(scratch / "base", BootstrapConfig(threads=threads))
-    print(f"bootstrap  {time.perf_counter() - started:.1f} s")
-    return report.output_dir
 
 
 def record_samples(engine: Engine, server: VllmServer, model_dir: Path, count: int) -> float:
@@ -201,7 +185,7 @@ class Timeline:
 
 
 def bench(args: argparse.Namespace, scratch: Path) -> None:
-    model_dir = base_model(args.model, scratch, args.threads)
+    model_dir = base_model(args.model)
     config = TrainConfig()
     changed = {}
     if args.samples < config.min_samples:

@@ -77,8 +77,10 @@ def test_a_shipped_base_reproduces_its_recorded_loss_and_held_out_pass_rate(name
     # Greedy decoding of the same weights: the figure it was shipped with, up to a few answers
     # a processor that rounds differently may flip.
     assert greedy.pass_rate == pytest.approx(record["heldout_pass_greedy"], abs=0.03)
-    # The training loss of its last steps, on corpus examples it trained on.
-    assert loss == pytest.approx(record["final_loss"], rel=0.25)
+    # The mean training loss of its last 100 steps, on corpus examples it trained on: a little
+    # lower at the end of training than over those steps (0.78-0.82 of it when shipped), never
+    # higher. The other shipped base's weights read 1.43 of this one's.
+    assert 0.6 * record["final_loss"] <= loss <= 1.05 * record["final_loss"]
 
 
 def test_the_default_base_solves_its_recorded_share_of_validation_agent_runs() -> None:

@@ -5,7 +5,9 @@ model's answers (text and tool calls) and the tool results. The parent of a requ
 earlier completion whose messages plus answer are the longest prefix of the new request's
 messages (the rule of AReaL's online proxy). Each served completion is remembered in Redis
 under the hash of its messages plus its answer; a new request looks up the hashes of its
-own history, cut after each assistant message, longest first, in one round trip.
+own history, cut after each of its last `MAX_PARENT_LOOKUPS` assistant messages, longest
+first, in one round trip. The prefixes' digests are chained (each from the one before and one
+message), so a history of any length is hashed once.
 Messages are compared by role, text and tool calls (name and parsed arguments); ids that
 clients regenerate are left out.
 
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 
 TURN_TTL_S = 6 * 3600
 """How long a turn can be continued: the feedback window of its request id."""
+MAX_PARENT_LOOKUPS = 16
+"""Most earlier answers of a history looked up as its parent, the latest first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +116,21 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
     return {"role": message.get("role"), "text": _text(message.get("content")), "calls": calls}
 
 
+def history_digests(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """The digest of every prefix of `messages` (one per message, the whole history last),
+    chained so that each costs one message's hashing: linear in the history, however long."""
+    digests, running = [], b""
+    for message in messages:
+        encoded = orjson.dumps(canonical(message), option=orjson.OPT_SORT_KEYS)
+        running = hashlib.blake2b(running + encoded, digest_size=20).digest()
+        digests.append(running.hex())
+    return digests
+
+
 def history_digest(messages: Sequence[dict[str, Any]]) -> str:
-    canonical_messages = [canonical(message) for message in messages]
-    encoded = orjson.dumps(canonical_messages, option=orjson.OPT_SORT_KEYS)
-    return hashlib.blake2b(encoded, digest_size=20).hexdigest()
+    """The digest of the whole history (see `history_digests`)."""
+    digests = history_digests(messages)
+    return digests[-1] if digests else ""
 
 
 def _history_key(digest: str) -> str:
@@ -157,10 +172,14 @@ class Trajectories:
         if parent_request_id is not None:
             raw = await self.redis.get(_request_key(parent_request_id))
             return Turn.decode(raw) if raw else None
-        cuts = [i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        cuts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if not cuts:
             return None
-        keys = [_history_key(history_digest(messages[:cut])) for cut in reversed(cuts)]
+        digests = history_digests(messages[: cuts[-1] + 1])
+        # Longest first, and only the latest few: a run's parent is its last answer unless the
+        # client dropped turns, and a history of thousands of answers must not cost thousands
+        # of keys.
+        keys = [_history_key(digests[cut]) for cut in reversed(cuts[-MAX_PARENT_LOOKUPS:])]
         for raw in await self.redis.mget(keys):
             if raw:
                 return Turn.decode(raw)

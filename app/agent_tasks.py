@@ -124,14 +124,16 @@ def tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 """A tool call as the base model writes it and vLLM's `hermes` parser reads it."""
 
 
 def written_calls(text: str) -> list[dict[str, Any] | None]:
     """The tool calls written in a model's raw text, in order, each as `tool_call` makes it,
     or None where one cannot be read (not JSON, no name or arguments, or a tag never closed)."""
-    blocks = HERMES_CALL.findall(text)
+    # The blocks' whitespace is stripped here, not by the pattern: `\s*(.*?)\s*` is quadratic
+    # in a long run of whitespace after an unclosed tag.
+    blocks = [block.strip() for block in HERMES_CALL.findall(text)]
     if not blocks:
         return [None] if "<tool_call>" in text else []
     calls: list[dict[str, Any] | None] = []

@@ -19,7 +19,8 @@ _EDIT_TOOL = re.compile(
     r"(edit|write|patch|replace|insert|apply|create_file|update_file|modify|rename|delete_file)",
     re.IGNORECASE,
 )
-_CODE_FENCE = re.compile(r"^\s*(```|~~~)", re.MULTILINE)
+# `[ \t]`, not `\s`: `^\s*` would scan every newline after each line start (quadratic).
+_CODE_FENCE = re.compile(r"^[ \t]*(```|~~~)", re.MULTILINE)
 _EDIT_REQUEST = re.compile(
     r"\b(fix|change|refactor|rename|add|implement|write|update|edit|replace|remove|delete|"
     r"convert|rewrite|modify|move|extract|make it|make the|optimi[sz]e|port|migrate|create)\b",

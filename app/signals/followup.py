@@ -72,39 +72,41 @@ def _rule(
 
 # Tool output, matched case-sensitively on the raw message: what compilers, test runners
 # and interpreters print, anchored to line starts so prose that mentions them does not fire.
+# Indentation is `[ \t]`, never `\s`: under MULTILINE `^\s*` at every line start would run
+# over all the newlines after it, quadratic in a message of blank lines.
 TOOL_OUTPUT_RULES: tuple[Rule, ...] = tuple(
     _rule(name, 3, pattern, flags=re.MULTILINE)
     for name, pattern in (
         (
             "python_traceback",
-            r"Traceback \(most recent call last\)|^\s*File \"[^\"\n]+\", line \d+",
+            r"Traceback \(most recent call last\)|^[ \t]*File \"[^\"\n]+\", line \d+",
         ),
         (
             "exception_line",
-            r"^\s*(?:E\s+|Uncaught\s+(?:\(in promise\)\s+)?)?(?:[A-Za-z_]\w*\.)*"
+            r"^[ \t]*(?:E\s+|Uncaught\s+(?:\(in promise\)\s+)?)?(?:[A-Za-z_]\w*\.)*"
             r"[A-Z]?\w*(?:Error|Exception)(?::\s|\s*$)|Exception in thread \"",
         ),
         (
             "stack_frame",
-            r"^\s+at [\w.$<>\[\] ]*\(?[^\s()]+:\d+(?::\d+)?\)?\s*$|^\s*[\w./-]+:\d+:in [`']",
+            r"^[ \t]+at [\w.$<>\[\] ]*\(?[^\s()]+:\d+(?::\d+)?\)?\s*$|^[ \t]*[\w./-]+:\d+:in [`']",
         ),
         (
             "compiler_error",
-            r"^\s*[\w./\\-]+\.\w+:\d+(?::\d+)?:?\s*(?:-\s*)?(?:fatal\s+)?error\b"
+            r"^[ \t]*[\w./\\-]+\.\w+:\d+(?::\d+)?:?\s*(?:-\s*)?(?:fatal\s+)?error\b"
             r"|\berror\[E\d{4}\]|\berror TS\d+:|^error: could not compile"
-            r"|^[\w./-]+\.go:\d+:\d+: |^\s*e: file:|Unresolved reference:|undefined reference to"
-            r"|^\s*\d+:\d+\s+error\s|^TS\d{4}: |^Found \d+ errors? in|✖ \d+ problems?"
+            r"|^[\w./-]+\.go:\d+:\d+: |^[ \t]*e: file:|Unresolved reference:|undefined reference to"
+            r"|^[ \t]*\d+:\d+\s+error\s|^TS\d{4}: |^Found \d+ errors? in|✖ \d+ problems?"
             r"|^(?:fatal )?error: ",
         ),
         (
             "test_failure",
-            r"^FAILED \S|^\s*FAIL\s+\S+\.\w+|\b[1-9]\d* failed(?:[,;]| in )|test result: FAILED"
+            r"^FAILED \S|^[ \t]*FAIL\s+\S+\.\w+|\b[1-9]\d* failed(?:[,;]| in )|test result: FAILED"
             r"|\.\.\. FAILED\s*$|^=+ (?:FAILURES|ERRORS) =+|Interrupted: \d+ errors?"
             r"|panicked at ",
         ),
         (
             "tool_error",
-            r"^npm ERR!|^\s*(?:#\d+ [\d.]+ )?ERROR:?\s|^\s*=> ERROR\b|BUILD FAILED"
+            r"^npm ERR!|^[ \t]*(?:#\d+ [\d.]+ )?ERROR:?\s|^[ \t]*=> ERROR\b|BUILD FAILED"
             r"|Build failed|^> Task \S+ FAILED|command not found\s*$|^Require stack:",
         ),
         (
@@ -189,7 +191,7 @@ PHRASE_RULES: tuple[Rule, ...] = (
     _rule(
         "revert_request",
         3,
-        r"(?:^|[,.;:!?\n]\s*)(?:(?:please|pls|just|can you|could you|would you|ok|okay|so|then"
+        r"(?:^|[,.;:!?\n][ \t]*)(?:(?:please|pls|just|can you|could you|would you|ok|okay|so|then"
         r"|now)\s+)?(?:revert|undo|roll ?back|back out)(?:\s+(?:that|this|it|them|those"
         r"|everything|all|your|the|my|what|to)\b|\s*$|\s*[,.!])"
         r"|\b(?:put|change|move) (?:it|them|that|this|those|these|everything|\w+) back\b"

@@ -82,3 +82,15 @@ def test_edit_requests_are_guessed_from_the_last_user_message() -> None:
             {"role": "user", "content": "what does this function do?"},
         ]
     )
+
+
+@pytest.mark.timeout(10)
+def test_an_answer_of_blank_lines_is_read_in_linear_time() -> None:
+    # What the model writes is as long as max_tokens allows: 16,000 newlines took 2 s when the
+    # fence rule's `^\s*` ran over every newline after each line start.
+    nothing = ToolSchemas(TOOLS).check([])
+    blank = "\n" * 16_000
+    assert not proposes_edit(blank, nothing)
+    assert proposes_edit(blank + "    ```python\nreturn x\n```", nothing)
+    assert not asks_clarifying_question(blank, nothing)
+    assert not looks_like_edit_request([{"role": "user", "content": blank}])

@@ -104,3 +104,22 @@ def test_explain_names_the_rules_that_fired() -> None:
         "you_undid_my_work +2: 'you removed'",
         "praise -1: 'great'",
     ]
+
+
+HOSTILE_FOLLOWUPS = {
+    "blank lines": "\n" * 16_000,
+    "indented blank lines": "    \n" * 3_200,
+    "spaces and newlines": " \t\n" * 5_333,
+    "one long word": "a" * 16_000,
+    "an unclosed tool call": "<tool_call>" + "\n" * 15_989,
+}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name", HOSTILE_FOLLOWUPS)
+def test_a_hostile_follow_up_is_classified_in_linear_time(name: str) -> None:
+    # 16,000 characters, the most a follow-up carries: 4,000 newlines alone took 3.4 s when a
+    # rule's `^\s*` ran over every newline after each line start (16,000 would take about a
+    # minute); linear rules take tens of milliseconds. The limit only catches a hang.
+    assert not is_dissatisfied(HOSTILE_FOLLOWUPS[name])
+    assert is_dissatisfied(HOSTILE_FOLLOWUPS[name] + "\nTraceback (most recent call last):")

@@ -56,7 +56,10 @@ async def dashboard(request: Request) -> Response:
 @router.post("/dashboard/login")
 async def login(request: Request) -> Response:
     """Sign in with the key from the form."""
-    form = parse_qs((await request.body()).decode(errors="replace"), max_num_fields=5)
+    try:
+        form = parse_qs((await request.body()).decode(errors="replace"), max_num_fields=5)
+    except ValueError:  # more fields than the form has
+        return _login_page("The sign-in form takes one field, key.", 400)
     return await _sign_in(request, (form.get("key") or [""])[0].strip())
 
 

@@ -3,10 +3,66 @@
 from __future__ import annotations
 
 from typing import Any, Literal
+from urllib.parse import unquote
 
 from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+MAX_TOOLS = 128
+"""Most tools one request may declare."""
+MAX_SCHEMA_DEPTH = 32
+"""Deepest nesting of a tool's parameter schema (objects and arrays): real tools nest a few
+levels; 300 levels of `items` once overflowed the validator's recursion."""
+MAX_SCHEMA_NODES = 10_000
+"""Most values (objects, arrays, scalars) in one tool's parameter schema."""
+
+
+def schema_shape_problem(schema: dict[str, Any]) -> str | None:
+    """What makes a tool schema unacceptable before it is compiled: too deep, too large, or
+    a `$ref` that does not resolve inside it (checked here, so a call is never judged against
+    a schema that fails after vLLM answered). None when it is fine. Iterative: no recursion
+    however deep the input."""
+    pending: list[tuple[Any, int]] = [(schema, 1)]
+    nodes = 0
+    while pending:
+        node, depth = pending.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            return f"more than {MAX_SCHEMA_NODES} values (the limit)"
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"nested deeper than {MAX_SCHEMA_DEPTH} levels (the limit)"
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not _resolves(schema, ref):
+                return f"$ref {ref!r} does not point inside the schema (only '#/...' refs)"
+            pending.extend((value, depth + 1) for value in node.values())
+        elif isinstance(node, list):
+            pending.extend((value, depth + 1) for value in node)
+    return None
+
+
+def _resolves(schema: dict[str, Any], ref: str) -> bool:
+    """Whether `ref` is a local JSON pointer (`#` or `#/a/b`) to a value inside `schema`."""
+    if not (ref == "#" or ref.startswith("#/")):
+        return False
+    target: Any = schema
+    for token in ref[2:].split("/") if ref != "#" else ():
+        token = unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and token in target:
+            target = target[token]
+        elif isinstance(target, list) and token.isdigit() and int(token) < len(target):
+            target = target[int(token)]
+        else:
+            return False
+    return isinstance(target, dict | bool)
 
 
 class FunctionSpec(BaseModel):
@@ -20,6 +76,9 @@ class FunctionSpec(BaseModel):
     @classmethod
     def _a_json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
         if parameters:
+            problem = schema_shape_problem(parameters)
+            if problem:
+                raise ValueError(f"not an acceptable JSON Schema: {problem}")
             try:
                 validator_for(parameters, default=Draft202012Validator).check_schema(parameters)
             except SchemaError as exc:
@@ -45,6 +104,35 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(BaseModel):
+    """An assistant message's tool call as clients send it back in the history."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: str | None = None
+    function: CalledFunction | None = None
+
+
+class ChatMessage(BaseModel):
+    """The shape of one history message; the request keeps the message as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
 class ChatRequest(BaseModel):
     """The fields of a chat completion request the gateway reads; the rest pass through."""
 
@@ -54,7 +142,7 @@ class ChatRequest(BaseModel):
     """Ignored for routing: the gateway decides which checkpoint answers."""
     messages: list[dict[str, Any]] = Field(min_length=1)
     stream: bool = False
-    tools: list[ToolSpec] | None = None
+    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int | None = Field(default=None, ge=1)
@@ -65,6 +153,20 @@ class ChatRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _well_formed_messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for index, message in enumerate(messages):
+            try:
+                ChatMessage.model_validate(message)
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                where = "".join(
+                    f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]
+                )
+                raise ValueError(f"messages[{index}]{where}: {error['msg']}") from None
+        return messages
 
     @field_validator("n")
     @classmethod

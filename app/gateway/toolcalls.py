@@ -70,7 +70,12 @@ class ToolSchemas:
         if not isinstance(parsed, dict):
             return False
         validator = self._validators[name]
-        return validator is None or validator.is_valid(parsed)
+        if validator is None:
+            return True
+        try:
+            return bool(validator.is_valid(parsed))
+        except RecursionError:  # arguments nested past what a validator can walk
+            return False
 
 
 # How the tool-call formats vLLM's parsers read open a call (hermes and Qwen, Mistral,

@@ -249,3 +249,18 @@ def test_the_session_cookie_is_secure_behind_a_trusted_tls_proxy(
     ) as client:
         remote = sign_in(client, make_key(Role.analyst))
         assert "Secure" in remote.headers["set-cookie"]
+
+
+def test_a_sign_in_form_with_more_fields_than_it_has_is_a_clear_400(
+    client: TestClient, make_key: Callable[..., str]
+) -> None:
+    client.cookies.clear()
+    stuffed = "&".join([f"key={make_key(Role.analyst)}", *(f"f{i}=x" for i in range(5))])
+    refused = client.post(
+        "/dashboard/login",
+        content=stuffed,
+        follow_redirects=False,
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert refused.status_code == 400 and "takes one field, key" in refused.text
+    assert "set-cookie" not in refused.headers

@@ -326,7 +326,22 @@ class Gateway:
         # Almost always done by now; a turn logged before it would start a run of its own,
         # and the turns after it would continue that one.
         await call.link.settled()
+        if not call.privacy and call.link.placement(call.request_id).private_run:
+            await self._mark_private(call)
         return result
+
+    async def _mark_private(self, call: ChatCall) -> None:
+        """A turn that continues a private run: its feedback is private too."""
+        served = Served(call.session_id, str(call.api_key_id), True)
+        try:
+            await self.redis.set(
+                request_key(call.request_id), served.encode(), xx=True, keepttl=True
+            )
+        except RedisError:
+            log.warning(
+                "request %s of a private run not marked private: Redis unavailable",
+                call.request_id,
+            )
 
     async def release_request_id(self, request_id: str) -> None:
         """Forget a request id nothing was served for, so the client may retry with it."""
@@ -589,6 +604,7 @@ class Gateway:
                 edit_requested=event.edit_requested,
                 token_count=len(served) if record.prompt_token_ids is not None else -1,
                 token_digest=token_digest(served),
+                private=event.privacy,
             )
             answer = {
                 "role": "assistant",
@@ -634,7 +650,8 @@ def completion_event(
                 len(record.logprobs),
             )
         tokens = logprobs = None
-    content = not call.privacy
+    private = call.privacy or placement.private_run
+    content = not private
     return CompletionEvent(
         session_id=call.session_id,
         request_id=call.request_id,
@@ -645,7 +662,7 @@ def completion_event(
         fallback=assignment.fallback,
         user_hash=call.user_hash,
         api_key_id=call.api_key_id,
-        privacy=call.privacy,
+        privacy=private,
         edit_requested=edit_requested,
         trajectory_id=placement.trajectory_id,
         turn_index=placement.turn_index,

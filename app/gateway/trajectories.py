@@ -53,6 +53,9 @@ class Turn:
     """Prompt plus completion tokens vLLM served."""
     token_digest: str
     """Digest of those token ids, to check a continuation's prompt starts with them."""
+    private: bool = False
+    """Served in privacy mode: every later turn of the run is private too, header or not,
+    since its history carries this turn's prompt and answer."""
 
     def encode(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -69,6 +72,11 @@ class Placement:
     trajectory_id: str
     turn_index: int
     parent: Turn | None
+
+    @property
+    def private_run(self) -> bool:
+        """Whether an earlier turn of the run was private (see `Turn.private`)."""
+        return self.parent is not None and self.parent.private
 
     def token_prefix_match(self, prompt_token_ids: Sequence[int] | None) -> bool | None:
         """Whether the parent's served tokens are an exact prefix of this prompt's."""

@@ -264,6 +264,27 @@ def test_an_edited_history_starts_a_new_segment_and_a_header_names_the_parent(
     assert named["token_prefix_match"] is False  # the history it sent differs from the served
 
 
+def test_a_turn_that_continues_a_private_run_is_private_without_the_header(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    client = agent(gateway_server, ide_key, new_id("s"))
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    private_id, read = ask(
+        client, TASK, False, headers={"X-Rtrl-Privacy": "1"}, tool_choice=use("read_file")
+    )
+    # The next turn re-sends the private prompt and answer as history, without the header.
+    history = [*TASK, read, *results_of(read, "def f(x):\n    return x + 2\n")]
+    next_id, _ = ask(client, history, False)
+    unrelated_id, _ = ask(client, TASK, False)
+
+    by_request = logged(kafka, since, private_id, next_id, unrelated_id)
+    continued = by_request[next_id]
+    assert continued["parent_request_id"] == private_id
+    assert continued["privacy"] is True
+    assert continued["prompt_messages"] is None and continued["completion_token_ids"] is None
+    assert by_request[unrelated_id]["privacy"] is False  # a new run of the same key is not
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [

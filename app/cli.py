@@ -88,7 +88,11 @@ def services_status() -> None:
 def migrate() -> None:
     """Create the Kafka topics and apply database migrations against the configured URLs."""
     settings = get_settings()
-    ensure_topics(settings.kafka_bootstrap_servers, DEFAULT_TOPICS)
+    ensure_topics(
+        settings.kafka_bootstrap_servers,
+        DEFAULT_TOPICS,
+        topic_configs={"max.message.bytes": str(settings.kafka_max_message_bytes)},
+    )
     upgrade_schema(settings.database_url)
     typer.echo("topics present and schema at head")
 

@@ -123,6 +123,14 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(default=1_000_000, ge=1024)
     """Largest request body the gateway accepts."""
 
+    kafka_max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024 * 1024)
+    """Largest event the gateway sends (its producer's `max_request_size`). The default fits
+    the completion event of the largest body `max_request_bytes` admits (its messages, its
+    prompt's token ids, the answer's ids and logprobs). The brokers and topics must take it
+    too: `message.max.bytes` on the brokers, `max.message.bytes` on the topics (set by
+    `rtrl migrate` when it creates them), `fetch.max.bytes` on the consumers. An event over it
+    goes to the DLQ as its ids and a reason."""
+
     max_feedback_batch: int = Field(default=500, ge=1)
     """Most events one `POST /v1/feedback` may carry."""
 

@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.spool_dir,
             Retention(settings.spool_retention, settings.spool_retention_bytes),
             memory_events=settings.spool_memory_events,
+            producer_options={"max_request_size": settings.kafka_max_message_bytes},
         )
         upstream = Upstream(settings.vllm_urls, timeout_s=settings.upstream_timeout_s)
         routing = RoutingCache(session_maker, redis)

@@ -28,8 +28,15 @@ HOST = "127.0.0.1"
 DEFAULT_TOPICS = {COMPLETIONS_TOPIC: 4, FEEDBACK_TOPIC: 4, DLQ_TOPIC: 1}
 
 
-def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout: float = 30) -> None:
-    """Create any missing topic; a broker restart with memory storage forgets them all."""
+def ensure_topics(
+    bootstrap_servers: str,
+    topics: dict[str, int],
+    *,
+    timeout: float = 30,
+    topic_configs: dict[str, str] | None = None,
+) -> None:
+    """Create any missing topic (with `topic_configs`, e.g. `max.message.bytes`); a broker
+    restart with memory storage forgets them all."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -47,7 +54,12 @@ def ensure_topics(bootstrap_servers: str, topics: dict[str, int], *, timeout: fl
     try:
         existing = set(admin.list_topics())
         missing = [
-            NewTopic(name=name, num_partitions=partitions, replication_factor=1)
+            NewTopic(
+                name=name,
+                num_partitions=partitions,
+                replication_factor=1,
+                topic_configs=dict(topic_configs or {}),
+            )
             for name, partitions in topics.items()
             if name not in existing
         ]

@@ -47,6 +47,12 @@ FALLBACKS = Counter(
 EVENTS_PUBLISHED = Counter(
     "rtrl_events_published_total", "Events acknowledged by Kafka, by topic.", ["topic"]
 )
+EVENTS_SET_ASIDE = Counter(
+    "rtrl_events_set_aside_total",
+    "Events Kafka can never take (over its size limits), sent to the DLQ as ids and a reason"
+    " instead, by the topic they were for.",
+    ["topic"],
+)
 EVENTS_SPOOLED = Counter(
     "rtrl_events_spooled_total", "Events written to the on-disk spool, by topic.", ["topic"]
 )

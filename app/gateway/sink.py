@@ -31,14 +31,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 from pydantic import BaseModel
 
-from app.events import encode
+from app.events import DLQ_TOPIC, DeadLetter, encode
 from app.gateway.metrics import (
     EVENTS_DROPPED,
     EVENTS_PUBLISHED,
+    EVENTS_SET_ASIDE,
     KAFKA_CONNECTED,
     SPOOL_DEPTH,
     SPOOL_REPLAYS,
@@ -63,6 +65,21 @@ LOOK_AFTER_INTERVAL_S = 10.0
 """How often retention is applied and the spool root searched for spools left behind."""
 CLOSE_DRAIN_S = 5.0
 """How long a stopping gateway keeps sending; what is left is sent at its next start."""
+
+
+TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
+"""Answers that say a message can never be sent as it is, however often it is retried."""
+EVENT_IDS = ("event_id", "session_id", "request_id", "privacy")
+"""What a dead letter keeps of an event too large to send."""
+
+
+def event_ids(value: bytes) -> dict[str, Any]:
+    """The ids of an encoded event (empty when it is not a JSON object)."""
+    try:
+        event = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return {}
+    return {name: event.get(name) for name in EVENT_IDS} if isinstance(event, dict) else {}
 
 
 class EventSink:
@@ -406,33 +423,85 @@ class EventSink:
         self.disk.sync()
 
     def _send(self, batch: Sequence[Envelope]) -> list[bool]:
-        """Send and wait for every answer; True where Kafka acknowledged the message."""
+        """Send and wait for every answer; True where Kafka acknowledged the message, or where
+        a message Kafka can never take (over the size limits) went to the DLQ instead."""
         producer = self._producer or self._connect()
         if producer is None:
             return [False] * len(batch)
-        futures = []
+        futures: list[Any] = []
         for envelope in batch:
             try:
                 futures.append(
                     producer.send(envelope.topic, value=envelope.value, key=envelope.key.encode())
                 )
+            except MessageSizeTooLargeError as exc:
+                futures.append(exc)  # this one never can be sent; the rest go on
             except Exception as exc:
                 # Not queued (no metadata, buffer full): a definite failure, as is the rest.
                 log.warning("Kafka refused a send (%s); it stays spooled", exc)
                 break
+        outcome = self._wait(producer, futures)
+        too_large = {
+            index: error
+            for index, error in enumerate(
+                future if isinstance(future, Exception) else future.exception for future in futures
+            )
+            if isinstance(error, TOO_LARGE)
+        }
+        if too_large:
+            letters = [self._dead_letter(batch[index], error) for index, error in too_large.items()]
+            for index, ok in zip(too_large, self._wait(producer, letters), strict=True):
+                outcome[index] = ok
+                if ok:
+                    EVENTS_SET_ASIDE.labels(batch[index].topic).inc()
+        for index, (envelope, ok) in enumerate(zip(batch, outcome, strict=False)):
+            if ok and index not in too_large:
+                EVENTS_PUBLISHED.labels(envelope.topic).inc()
+        return outcome + [False] * (len(batch) - len(outcome))
+
+    def _wait(self, producer: KafkaProducer, futures: Sequence[Any]) -> list[bool]:
+        """Flush, then wait out every future; an exception in place of one is a failure."""
         with contextlib.suppress(Exception):
             producer.flush(timeout=self._delivery_timeout_s + 5)
         outcome = []
         for future in futures:
+            if isinstance(future, Exception):
+                outcome.append(False)
+                continue
             while not future.is_done:
                 # Unanswered is not failed: it may still be acknowledged, so wait it out.
                 with contextlib.suppress(Exception):
                     future.get(timeout=1.0)
             outcome.append(future.succeeded())
-        for envelope, ok in zip(batch, outcome, strict=False):
-            if ok:
-                EVENTS_PUBLISHED.labels(envelope.topic).inc()
-        return outcome + [False] * (len(batch) - len(outcome))
+        return outcome
+
+    def _dead_letter(self, envelope: Envelope, error: Exception) -> Any:
+        """Send a DLQ record in place of an event Kafka cannot take: its ids, size and why,
+        never its content (which is what does not fit)."""
+        log.error(
+            "an event of %d bytes for %s cannot be sent (%s); its ids go to %s",
+            len(envelope.value),
+            envelope.topic,
+            error,
+            DLQ_TOPIC,
+        )
+        letter = DeadLetter(
+            source_topic=envelope.topic,
+            partition=-1,
+            offset=-1,
+            key=envelope.key,
+            payload=orjson.dumps(event_ids(envelope.value)).decode(),
+            reason=(
+                f"{len(envelope.value)} bytes: over the size Kafka takes (producer limit"
+                f" {self._producer_options.get('max_request_size', 'default')} bytes;"
+                f" {type(error).__name__}: {error})"
+            )[:2000],
+        )
+        assert self._producer is not None
+        try:
+            return self._producer.send(DLQ_TOPIC, value=encode(letter), key=envelope.key.encode())
+        except Exception as exc:
+            return exc
 
     def _connect(self) -> KafkaProducer | None:
         try:

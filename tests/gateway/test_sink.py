@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from app.embedded.kafka import EmbeddedKafka, ensure_topics
 from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
-from app.events import COMPLETIONS_TOPIC
+from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC
+from app.gateway.metrics import EVENTS_SET_ASIDE
 from app.gateway.sink import EventSink
 from app.gateway.spool import DiskSpool, Envelope, Retention
 from app.gateway.spools import claim_spool, spool_directories
@@ -208,3 +210,48 @@ def test_a_gateway_sends_the_spools_stopped_gateways_left_and_then_removes_them(
         sink.close()
     values = read_topic(own_kafka.url, "test.replay", expected=20)
     assert sorted(values) == sorted(e.value for e in envelopes(20, topic="test.replay"))
+
+
+def test_an_event_kafka_can_never_take_goes_to_the_dlq_and_the_rest_flows(
+    stack: EmbeddedStack, tmp_path: Path
+) -> None:
+    topic = f"test.size.{uuid.uuid4().hex[:8]}"
+    ensure_topics(stack.kafka.url, {topic: 1})
+    event_id = str(uuid.uuid4())
+    huge = orjson.dumps(
+        {
+            "event_id": event_id,
+            "session_id": "s-huge",
+            "request_id": "r-huge",
+            "privacy": False,
+            "prompt_messages": [{"role": "user", "content": "x" * 200_000}],
+        }
+    )
+    # A producer limit below the event, as a 70k-token prompt meets kafka-python's default
+    # 1 MiB: the event can never be sent, however often it is retried.
+    sink = EventSink(
+        stack.kafka.url, DiskSpool(tmp_path), producer_options={"max_request_size": 64 * 1024}
+    )
+    set_aside = EVENTS_SET_ASIDE.labels(topic)._value.get()
+    sink.start()
+    try:
+        sink.publish_encoded(Envelope(topic, "s-1", b'{"n": 1}'))
+        sink.publish_encoded(Envelope(topic, "s-huge", huge))
+        sink.publish_encoded(Envelope(topic, "s-1", b'{"n": 2}'))
+        wait_until(lambda: sink.depth["disk"] == 0, 30, "the spool to drain")
+        assert sink.kafka_connected  # Kafka is fine, and the gateway says so
+    finally:
+        sink.close()
+
+    assert read_topic(stack.kafka.url, topic, 2) == [b'{"n": 1}', b'{"n": 2}']
+    letters = [
+        orjson.loads(value)
+        for value in read_topic(stack.kafka.url, DLQ_TOPIC, 10**6, timeout=5)
+        if event_id.encode() in value
+    ]
+    assert len(letters) == 1
+    letter = letters[0]
+    assert letter["source_topic"] == topic and letter["key"] == "s-huge"
+    assert orjson.loads(letter["payload"])["request_id"] == "r-huge"
+    assert str(len(huge)) in letter["reason"] and "x" * 100 not in letter["payload"]
+    assert EVENTS_SET_ASIDE.labels(topic)._value.get() == set_aside + 1

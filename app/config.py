@@ -105,7 +105,14 @@ class Settings(BaseSettings):
     harmful ones (seconds or ISO 8601); unset: only when ops ask (`/admin/guardrails/check`)."""
 
     auth_failures_per_minute: int = Field(default=30, ge=1)
-    """Failed authentications one client address may make per minute before it waits (429)."""
+    """Failed authentications one client address may make per minute before it waits (429);
+    keys the gateway already knows to be valid are never held back by others' failures."""
+
+    trusted_proxies: str = ""
+    """Addresses or networks (comma-separated, e.g. `10.0.0.0/8`) of the load balancers in
+    front of the gateway. A request from one of them is counted against the client that its
+    `X-Forwarded-For` names (the nearest address that is not itself trusted); empty: the
+    peer's address counts and `X-Forwarded-For` is ignored, since any client can send it."""
 
     trust_proxy_headers: bool = False
     """Behind a TLS-offloading proxy: take the scheme from X-Forwarded-Proto (dashboard cookies

@@ -161,6 +161,10 @@ def _draining_server(settings: Settings) -> DrainingServer:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(STRAGGLERS_S),
+        # X-Forwarded-For only from the configured load balancers (uvicorn's default trusts
+        # 127.0.0.1, which would let any local client name another's address).
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=settings.trusted_proxies or None,
     )
     return DrainingServer(config, app.state.shutdown, drain_spool)
 

@@ -148,21 +148,26 @@ class Authenticator:
     async def authenticate(self, secret: str, client: str | None = None) -> Principal:
         """The principal of a valid key; AuthError when unknown, revoked or expired.
 
-        AuthThrottled, before any lookup, once `client` has failed too often this minute.
+        AuthThrottled, before any lookup, once `client` has failed too often this minute,
+        unless the key is one this replica already knows to be valid: others' failures from
+        the same address (a NAT, a proxy not configured as trusted) never lock out a key in
+        use. A valid key this replica has not seen yet waits with its address.
         """
-        if client is not None:
+        key_hash = hash_secret(secret) if secret.startswith(SECRET_PREFIX) else None
+        if client is not None and not self._known_valid(key_hash):
             self._failures.check(client)
         try:
-            return await self._authenticate(secret)
+            if key_hash is None:
+                raise AuthError("invalid API key")
+            return await self.authenticate_hash(key_hash)
         except AuthError:
             if client is not None:
                 self._failures.add(client)
             raise
 
-    async def _authenticate(self, secret: str) -> Principal:
-        if not secret.startswith(SECRET_PREFIX):
-            raise AuthError("invalid API key")
-        return await self.authenticate_hash(hash_secret(secret))
+    def _known_valid(self, key_hash: str | None) -> bool:
+        cached = self._known.get(key_hash) if key_hash is not None else None
+        return cached is not None and cached[0] > time.monotonic()
 
     async def authenticate_hash(self, key_hash: str) -> Principal:
         """The principal of a key by its stored hash (a browser session holds only that)."""

@@ -154,6 +154,9 @@ def test_an_address_that_keeps_failing_waits_while_others_go_on(
     engine = make_async_engine(Settings().database_url, poolclass=NullPool)
     authenticator = Authenticator(async_sessionmaker(engine), failures_per_minute=3)
     _, known = make_key()
+    _, in_use = make_key()
+    # A developer behind the same NAT as the guesser, whose key this replica has seen.
+    assert asyncio.run(authenticator.authenticate(in_use, "203.0.113.7")).role == Role.ide
     for n in range(3):
         with pytest.raises(AuthError):
             asyncio.run(authenticator.authenticate(f"rtrl_guess-{n}", "203.0.113.7"))
@@ -161,11 +164,14 @@ def test_an_address_that_keeps_failing_waits_while_others_go_on(
 
     with pytest.raises(AuthThrottled) as throttled:
         asyncio.run(authenticator.authenticate("rtrl_guess-next", "203.0.113.7"))
+    # A key never seen from there waits with its address (it costs a lookup, as a guess does).
     with pytest.raises(AuthThrottled):
         asyncio.run(authenticator.authenticate(known, "203.0.113.7"))
 
     assert 1 <= throttled.value.retry_after_s <= 60
     assert authenticator.lookups == lookups
+    # Others' failures never lock out a key in use.
+    assert asyncio.run(authenticator.authenticate(in_use, "203.0.113.7")).role == Role.ide
     assert asyncio.run(authenticator.authenticate(known, "198.51.100.2")).role == Role.ide
 
 

@@ -392,3 +392,50 @@ def test_privacy_mode_content_is_nowhere_kafka_postgres_or_logs(hostile: Loop) -
     assert marker not in database_text(hostile.engine)
     for log in (hostile.root / "logs").glob("*.log"):
         assert marker not in log.read_text(errors="replace"), log.name
+
+
+@pytest.mark.parametrize("behind_proxy", [True, False])
+def test_a_guesser_behind_the_load_balancer_locks_out_only_itself(
+    engine: Engine,
+    stack: EmbeddedStack,
+    vllm_server: VllmServer,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    behind_proxy: bool,
+) -> None:
+    # Every request reaches the gateway from 127.0.0.1, as from a load balancer; with the
+    # balancer trusted, X-Forwarded-For names the client. Before, 3 bad keys from anyone
+    # behind it answered 429 to every user of that gateway.
+    loop = open_loop(
+        engine,
+        stack,
+        vllm_server,
+        tiny_model_dir,
+        tmp_path,
+        auth_failures_per_minute=3,
+        trusted_proxies="127.0.0.1" if behind_proxy else "",
+    )
+    try:
+
+        def models(key: str, client: str) -> int:
+            return httpx.get(
+                f"{loop.url}/v1/models",
+                headers={"Authorization": f"Bearer {key}", "X-Forwarded-For": client},
+            ).status_code
+
+        in_use = loop.ide_key
+        assert models(in_use, "198.51.100.2") == 200
+        for n in range(3):
+            assert models(f"rtrl_guess-{n}", "203.0.113.7") == 401
+        assert models("rtrl_guess-next", "203.0.113.7") == 429
+        # A key in use is never held back by others' failures, whatever the header says.
+        assert models(in_use, "198.51.100.2") == 200
+        fresh = make_key(engine, Role.ide)
+        if behind_proxy:
+            assert models(fresh, "198.51.100.9") == 200  # another client: its own window
+            assert models("rtrl_guess-other", "198.51.100.9") == 401
+        else:
+            # Untrusted, the header names nobody: every client is the peer, which waits.
+            assert models(fresh, "198.51.100.9") == 429
+    finally:
+        loop.stop()

@@ -87,9 +87,9 @@ def make_key(engine: Engine) -> Callable[..., tuple[ApiKey, str]]:
 
 
 @pytest.fixture
-def clean_registry(engine: Engine, tiny_model_path: Path) -> Engine:
+def clean_registry(engine: Engine, tiny_model_dir: Path) -> Engine:
     """A clean slate: only the base checkpoint, in production; no samples, runs or experiments."""
-    return reset_registry(engine, tiny_model_path)
+    return reset_registry(engine, tiny_model_dir)
 
 
 def reset_registry(engine: Engine, base_model: Path) -> Engine:

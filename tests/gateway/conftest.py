@@ -37,10 +37,10 @@ def gateway_settings(stack: EmbeddedStack, vllm_server: VllmServer, tmp_path: Pa
 
 
 @pytest.fixture
-def registry(engine: Engine, tiny_model_path: Path) -> Engine:
+def registry(engine: Engine, tiny_model_dir: Path) -> Engine:
     """The checkpoint registry with the base model registered."""
     with session_scope(engine) as session:
-        ensure_base_checkpoint(session, str(tiny_model_path))
+        ensure_base_checkpoint(session, str(tiny_model_dir))
     return engine
 
 

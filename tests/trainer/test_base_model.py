@@ -1,6 +1,5 @@
-"""The session's bootstrapped base model (the one every weight-needing test shares): a module
-of its own, so tests/trainer/test_bootstrap.py, which bootstraps small models of its own, runs
-while the session's base trains instead of after it."""
+"""The session's base model (the shipped `rtrl-base-500` every weight-needing test shares)
+speaks tools and keeps the habits RL is meant to remove."""
 
 from __future__ import annotations
 

@@ -413,6 +413,35 @@ def test_a_missing_session_header_is_refused(gateway_server: Any, ide_key: str) 
     assert refused.value.body["code"] == "missing_header"
 
 
+def nested_items(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return {"type": "object", "properties": {"path": schema}}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "names"),
+    [
+        (nested_items(300), "deeper than 32 levels"),  # was a RecursionError: a 500
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/gone"}}}, "#/$defs/gone"),
+        ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s"}}}, "only '#/"),
+    ],
+)
+def test_a_tool_schema_too_deep_or_pointing_outside_itself_is_a_400_before_vllm(
+    gateway_server: Any, ide_key: str, parameters: dict[str, Any], names: str
+) -> None:
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": parameters}}
+    response = httpx.post(
+        f"{gateway_server.url}/v1/chat/completions",
+        json={"model": "rtrl", "messages": MESSAGES, "tools": [tool], "max_tokens": 2},
+        headers={"Authorization": f"Bearer {ide_key}", "X-Session-Id": "s-1"},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "invalid_value" and names in error["message"]
+
+
 @pytest.mark.parametrize(
     ("content", "status", "code"),
     [
@@ -445,35 +474,6 @@ def test_a_missing_session_header_is_refused(gateway_server: Any, ide_key: str) 
         ),
     ],
 )
-def nested_items(levels: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "array", "items": schema}
-    return {"type": "object", "properties": {"path": schema}}
-
-
-@pytest.mark.parametrize(
-    ("parameters", "names"),
-    [
-        (nested_items(300), "deeper than 32 levels"),  # was a RecursionError: a 500
-        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/gone"}}}, "#/$defs/gone"),
-        ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s"}}}, "only '#/"),
-    ],
-)
-def test_a_tool_schema_too_deep_or_pointing_outside_itself_is_a_400_before_vllm(
-    gateway_server: Any, ide_key: str, parameters: dict[str, Any], names: str
-) -> None:
-    tool = {"type": "function", "function": {"name": "read_file", "parameters": parameters}}
-    response = httpx.post(
-        f"{gateway_server.url}/v1/chat/completions",
-        json={"model": "rtrl", "messages": MESSAGES, "tools": [tool], "max_tokens": 2},
-        headers={"Authorization": f"Bearer {ide_key}", "X-Session-Id": "s-1"},
-    )
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert error["code"] == "invalid_value" and names in error["message"]
-
-
 def test_malformed_bodies_get_an_openai_error(
     gateway_server: Any, ide_key: str, content: bytes, status: int, code: str | None
 ) -> None:

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +159,11 @@ def install_base(name: str, model_dir: Path) -> BaseIdentity:
         shutil.copytree(shipped.path, copied)
         for path in copied.iterdir():
             path.chmod(0o644)
-        verify_base(copied, name)
-        os.replace(copied, model_dir)
+        copy = verify_base(copied, name)
+        os.replace(copied, model_dir)  # atomic: the files checked are the files installed
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return verify_base(model_dir, name)
+    return replace(copy, path=model_dir)
 
 
 def _read_recipe(model_dir: Path) -> dict[str, Any]:

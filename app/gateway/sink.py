@@ -449,7 +449,10 @@ class EventSink:
             if isinstance(error, TOO_LARGE)
         }
         if too_large:
-            letters = [self._dead_letter(batch[index], error) for index, error in too_large.items()]
+            letters = [
+                self._dead_letter(producer, batch[index], error)
+                for index, error in too_large.items()
+            ]
             for index, ok in zip(too_large, self._wait(producer, letters), strict=True):
                 outcome[index] = ok
                 if ok:
@@ -475,7 +478,7 @@ class EventSink:
             outcome.append(future.succeeded())
         return outcome
 
-    def _dead_letter(self, envelope: Envelope, error: Exception) -> Any:
+    def _dead_letter(self, producer: KafkaProducer, envelope: Envelope, error: Exception) -> Any:
         """Send a DLQ record in place of an event Kafka cannot take: its ids, size and why,
         never its content (which is what does not fit)."""
         log.error(
@@ -497,9 +500,8 @@ class EventSink:
                 f" {type(error).__name__}: {error})"
             )[:2000],
         )
-        assert self._producer is not None
         try:
-            return self._producer.send(DLQ_TOPIC, value=encode(letter), key=envelope.key.encode())
+            return producer.send(DLQ_TOPIC, value=encode(letter), key=envelope.key.encode())
         except Exception as exc:
             return exc
 

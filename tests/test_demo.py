@@ -1,17 +1,15 @@
 """The closed loop end to end, smaller than `make demo`: a candidate trained on production's traffic
-and promoted only when it is ahead on held-out traffic; two agent cycles that solve more held-out
-runs with fewer malformed calls; a reward-hacked canary caught by the monitors on agent traffic
-and kept out of production."""
+and promoted only when it is ahead on held-out traffic; a reward-hacked canary caught by the
+monitors on agent traffic and kept out of production. Agent learning over two cycles is measured
+by `make demo` and `python -m bench.agent_learning`."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import scipy.stats
 from sqlalchemy import Engine, select
 
 from app.abtest.stats import Comparison
@@ -29,11 +27,9 @@ from app.demo import (
     demo_train_config,
     hacking_verdict,
     judge_canary,
-    offline_comparison,
     production_name,
     run_demo,
     scenario_settings,
-    train_candidate,
 )
 from app.embedded.stack import EmbeddedStack
 from app.launcher import FullStack
@@ -45,11 +41,8 @@ from app.serving.vllm import VllmServer
 from tests.conftest import (
     external_settings,
     fine_tune_toward_malformed_calls,
-    reset_registry,
-    running_vllm,
     start_group_at_end,
 )
-from trainer.agent_runs import compare_runs
 
 
 def summary(served_low: float | None, solved_low: float | None) -> DemoSummary:
@@ -251,64 +244,3 @@ def test_a_reward_hacked_canary_raises_the_monitors_alert_and_is_not_promoted(
     assert record.decision != "promoted"
     assert refusal is not None and "malformed_call_rate" in refusal
     assert production_name(clean_registry) == "base"
-
-
-@pytest.fixture(scope="module")
-def agent_vllm(
-    agent_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    """vLLM on the agent base, beside the session's server."""
-    with running_vllm(agent_model_dir, tmp_path_factory.mktemp("agent-vllm")) as server:
-        yield server
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # its setup may first wait for the agent base's bootstrap
-def test_two_agent_cycles_solve_more_held_out_runs_with_fewer_malformed_calls(
-    engine: Engine,
-    stack: EmbeddedStack,
-    agent_vllm: VllmServer,
-    agent_model_dir: Path,
-    tmp_path: Path,
-) -> None:
-    # The agent demo's two cycles on the default base: each serves 24 developers' agent runs
-    # on production, finalizes their rewards and trains with the demo's settings and gate,
-    # and its candidate becomes production (the canary's served A/B, about 100 runs an arm,
-    # cannot resolve a cycle's gain, so it is skipped). Judged on held-out runs sampled
-    # offline, as the demo's summary judges its final checkpoint: 1,200 per model. One cycle
-    # alone is not enough to assert: five first cycles through this test gained +2.3, +3.2,
-    # +10.9, +14.0 and +17.1 pp in solved runs (see the README's agent demo).
-    registry = reset_registry(engine, agent_model_dir)
-    settings = external_settings(stack, agent_vllm, agent_model_dir, tmp_path)
-    config = DemoConfig(cycles=2, progress_bars=False)
-    start_group_at_end(settings.kafka_bootstrap_servers, "rtrl-workers")
-    demo = FullStack.from_settings(settings, workers=1, trainer=False)
-    demo.up()
-    try:
-        keys = create_keys(registry)
-        ops = Ops(demo.gateway_url, keys.ops)
-        ops.stop_all()
-        for cycle in range(1, config.cycles + 1):
-            record = train_candidate(
-                registry, settings, demo.gateway_url, keys, config, cycle, print
-            )
-            if record.candidate is not None:
-                assert ops.promote(record.candidate) is None
-                ops.stop_all()
-    finally:
-        demo.down(started_only=True)
-    final = production_name(registry)
-    assert final != "base", "neither cycle's candidate passed the trainer's gate"
-
-    base, trained = offline_comparison(registry, settings, "base", final, 1200, print, bars=False)
-    # Both ran the same tasks with the same random stream: solved runs are compared task by
-    # task (a paired t-test; runs of one task correlate, 0.2-0.3 measured), the malformed
-    # share over runs.
-    paired = scipy.stats.ttest_rel(
-        [float(run.solved) for run in trained.runs], [float(run.solved) for run in base.runs]
-    )
-    solved_low = paired.confidence_interval(0.95).low
-    print(f"solved runs, paired over tasks: 95% interval low end {solved_low * 100:+.1f} pp")
-    malformed = compare_runs(trained.runs, base.runs, "malformed")
-    assert solved_low > 0, "held-out runs solved did not rise beyond the interval"
-    assert malformed is not None and malformed.difference < 0, "malformed calls did not fall"

@@ -96,18 +96,29 @@ def without_content(event: Feedback) -> Feedback:
     return event
 
 
-async def first_seen(redis: Redis, events: Sequence[Feedback]) -> list[Feedback]:
+async def unseen(redis: Redis, events: Sequence[Feedback]) -> list[Feedback]:
     """The events whose ids this gateway has not accepted before (in this batch or earlier)."""
     unique, ids = [], set()
     for event in events:
         if event.event_id not in ids:
             ids.add(event.event_id)
             unique.append(event)
+    if not unique:
+        return []
+    marked = await redis.mget([seen_key(event.event_id) for event in unique])
+    return [event for event, mark in zip(unique, marked, strict=True) if mark is None]
+
+
+async def mark_seen(redis: Redis, events: Sequence[Feedback]) -> None:
+    """Remember accepted ids for as long as their completions can get feedback."""
     async with redis.pipeline(transaction=False) as pipe:
-        for event in unique:
-            pipe.set(f"rtrl:fb:{event.event_id}", 1, nx=True, ex=REQUEST_ID_TTL_S)
-        fresh = await pipe.execute()
-    return [event for event, new in zip(unique, fresh, strict=True) if new]
+        for event in events:
+            pipe.set(seen_key(event.event_id), 1, ex=REQUEST_ID_TTL_S)
+        await pipe.execute()
+
+
+def seen_key(event_id: uuid.UUID) -> str:
+    return f"rtrl:fb:{event_id}"
 
 
 async def accept_feedback(
@@ -129,7 +140,11 @@ async def accept_feedback(
         without_content(event) if privacy or request.privacy else event
         for event, request in zip(events, served, strict=True)
     ]
-    new = await first_seen(redis, events)
+    # Spooled first, marked seen after: a gateway that dies between the two has the event on
+    # its spool, or not at all and the IDE's retry is taken; never marked and lost. Two
+    # identical batches at once may both be spooled; workers keep one record per event id.
+    new = await unseen(redis, events)
     for event in new:
         sink.publish(FEEDBACK_TOPIC, event.session_id, event)
+    await mark_seen(redis, new)
     return FeedbackAccepted(accepted=len(new), duplicates=len(events) - len(new))

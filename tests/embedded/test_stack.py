@@ -13,7 +13,7 @@ import psutil
 import pytest
 import redis
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -25,12 +25,33 @@ from app.models import Checkpoint, CheckpointStatus
 
 
 def test_postgres_holds_the_migrated_schema(db_session: Session) -> None:
-    db_session.add(Checkpoint(name="base", status=CheckpointStatus.production, base_model="m"))
+    # Earlier tests may have left checkpoints: this one's rows are its own, rolled back after.
+    def count() -> int:
+        return db_session.scalar(select(func.count()).select_from(Checkpoint)) or 0
+
+    before = count()
+    first = Checkpoint(
+        name=f"schema-{uuid.uuid4().hex[:8]}", status=CheckpointStatus.candidate, base_model="m"
+    )
+    db_session.add(first)
     db_session.flush()
-    assert db_session.scalar(select(func.count()).select_from(Checkpoint)) == 1
+    assert count() == before + 1
 
     # The database, not the code, guarantees a single production checkpoint.
-    db_session.add(Checkpoint(name="ckpt-1", status=CheckpointStatus.production, base_model="m"))
+    db_session.execute(
+        update(Checkpoint)
+        .where(Checkpoint.status == CheckpointStatus.production)
+        .values(status=CheckpointStatus.retired)
+    )
+    first.status = CheckpointStatus.production
+    db_session.flush()
+    db_session.add(
+        Checkpoint(
+            name=f"schema-{uuid.uuid4().hex[:8]}",
+            status=CheckpointStatus.production,
+            base_model="m",
+        )
+    )
     with pytest.raises(IntegrityError):
         db_session.flush()
 

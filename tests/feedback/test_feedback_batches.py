@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 MAX_BATCH = 5
@@ -53,8 +54,40 @@ def test_a_batch_is_published_once_even_when_sent_twice(
     ids = [e["event_id"] for e in published if e["session_id"] == session]
     assert sorted(ids) == sorted([e["event_id"] for e in batch] + [sentinel["event_id"]])
     assert {e["_key"] for e in published if e["session_id"] == session} == {session}
-    followup = next(e for e in published if e["kind"] == "followup_message")
+    followup = next(
+        e for e in published if e["kind"] == "followup_message" and e["session_id"] == session
+    )
     assert followup["message"] == "thanks, works"
+
+
+def test_a_batch_the_gateway_died_before_spooling_is_taken_when_it_is_retried(
+    client: TestClient,
+    ide_key: str,
+    serve: Callable[..., tuple[str, str]],
+    feedback_topic: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The gateway fails between checking the ids and spooling the events (a crash, a full
+    # disk): the IDE retries, and the retry must not be answered as a duplicate of nothing.
+    session, request_id = serve()
+    batch = [event("edit_accepted", session, request_id), event("session_end", session, request_id)]
+    since = feedback_topic.mark()
+
+    def dies(*args: Any) -> None:
+        raise RuntimeError("the gateway died here")
+
+    monkeypatch.setattr(client.app.state.sink, "publish", dies)
+    with pytest.raises(RuntimeError, match="died here"):
+        client.post("/v1/feedback", json={"events": batch}, headers=auth(ide_key))
+    monkeypatch.undo()
+
+    retried = client.post("/v1/feedback", json={"events": batch}, headers=auth(ide_key))
+    assert retried.status_code == 202 and retried.json() == {"accepted": 2, "duplicates": 0}
+    again = client.post("/v1/feedback", json={"events": batch}, headers=auth(ide_key))
+    assert again.json() == {"accepted": 0, "duplicates": 2}
+    published = feedback_topic.read_until(since, batch[1]["event_id"])
+    ids = [e["event_id"] for e in published if e["session_id"] == session]
+    assert sorted(ids) == sorted(e["event_id"] for e in batch)
 
 
 def test_privacy_mode_follow_ups_are_classified_here_and_lose_their_text(

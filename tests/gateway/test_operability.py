@@ -16,12 +16,9 @@ def test_health_readiness_and_metrics(gateway_server: Any, ide_key: str) -> None
     assert httpx.get(f"{gateway_server.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{gateway_server.url}/readyz")
     assert ready.status_code == 200, ready.text
-    assert ready.json()["checks"] == {
-        "database": True,
-        "redis": True,
-        "vllm": True,
-        "events": True,
-    }
+    assert ready.json()["checks"] == {"events": True, "accepting": True}
+    assert ready.json()["dependencies"] == {"database": True, "redis": True, "vllm": True}
+    assert ready.json()["failing"] == [] and ready.json()["degraded"] == []
     httpx.get(f"{gateway_server.url}/v1/models", headers={"Authorization": f"Bearer {ide_key}"})
 
     metrics = httpx.get(f"{gateway_server.url}/metrics").text

@@ -77,5 +77,8 @@ def test_no_replica_answering_is_a_503_and_frees_the_request_id(
     error = answer.json()["error"]
     assert error["type"] == "service_unavailable" and error["code"] == "upstream_unavailable"
     assert redis.Redis.from_url(stack.redis.url).get(request_key(request_id)) is None
+    # Every gateway shares the replicas: this one stays in the load balancer, and says why
+    # its requests fail.
     ready = client.get("/readyz")
-    assert ready.status_code == 503 and ready.json()["failing"] == ["vllm"]
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["failing"] == [] and ready.json()["degraded"] == ["vllm"]

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from sqlalchemy import select
 
@@ -86,12 +87,23 @@ def test_a_postgres_restart_under_load_pauses_workers_and_not_the_gateway(loop: 
     listing = httpx.get(f"{loop.url}/admin/checkpoints", headers=ops, timeout=30)
     assert listing.status_code == 503, listing.text
     assert listing.json()["error"]["code"] == "database_unavailable"
+    # The gateway still serves the keys it knows: it stays ready, and names what is down.
+    ready = httpx.get(f"{loop.url}/readyz", timeout=30)
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["degraded"] == ["database"]
     time.sleep(3)
     loop.stack.postgres.start()
     report = traffic.result()
     assert report.requests_failed == 0, report.errors
     books = loop.wait_for_books([warm, report])
     assert books.balanced, books
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_stopped_replica_is_a_clear_503_then_its_arm_falls_back_until_reconciled(
@@ -117,8 +129,15 @@ def test_a_stopped_replica_is_a_clear_503_then_its_arm_falls_back_until_reconcil
     time.sleep(SERVED_MODELS_TTL_S + 1)  # the gateway's list of served models has the canary
     served = loop.traffic(users=8, seed=7).result()
 
+    pid = vllm_server.pid()
+    assert pid is not None
+    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    assert len(tree) >= 2, "vLLM runs its engine core in a child process"
     vllm_server.stop()
     try:
+        # Stopped is stopped: no engine core or worker left holding the port or memory.
+        assert [process.pid for process in tree if alive(process)] == []
+        assert vllm_server.pid() is None and not vllm_server.healthy()
         down = loop.traffic(users=2, seed=8, sessions_per_user=1, tasks_per_session=1).result()
         assert down.requests_ok == 0
         assert set(down.errors) == {"chat:http_503"}, down.errors

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,11 +21,3 @@ def served_lora(vllm_server: VllmServer, lora_dir: Path) -> str:
     )
     response.raise_for_status()
     return name
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
-    # The test that stops the shared server must run after every test that uses it: after
-    # every other hook has ordered the session (tests/conftest.py moves modules to the end).
-    yield
-    items.sort(key=lambda item: item.name == "test_stop_leaves_no_process_behind")

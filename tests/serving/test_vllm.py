@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 from transformers import AutoTokenizer
 
@@ -195,23 +194,3 @@ def test_waiting_fails_early_with_the_log_tail_when_the_server_exits(tmp_path: P
 def test_waiting_gives_up_after_the_timeout() -> None:
     with pytest.raises(ServiceError, match=r"not healthy .* within 1 s"):
         wait_until_healthy(f"http://127.0.0.1:{free_port()}", 1)
-
-
-def alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def test_stop_leaves_no_process_behind(vllm_server: VllmServer) -> None:
-    pid = vllm_server.pid()
-    assert pid is not None
-    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    assert len(tree) >= 2, "vLLM runs its engine core in a child process"
-
-    vllm_server.stop()
-
-    assert [process.pid for process in tree if alive(process)] == []
-    assert vllm_server.pid() is None
-    assert not vllm_server.healthy()

@@ -127,6 +127,11 @@ class Settings(BaseSettings):
     rate_limit_per_minute: int = Field(default=600, ge=1)
     """Requests per minute per API key, unless the key sets its own."""
 
+    max_in_flight_per_key: int = Field(default=64, ge=1)
+    """Completions one API key may have in flight on one gateway process; its next one is a
+    429 (`too_many_requests_in_flight`) until one ends. With N gateway processes behind a
+    load balancer a key may hold up to N times this on the replicas."""
+
     max_request_bytes: int = Field(default=1_000_000, ge=1024)
     """Largest request body the gateway accepts."""
 

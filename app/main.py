@@ -37,6 +37,7 @@ from app.config import Settings, get_settings, refuse_development_secrets
 from app.db import make_async_engine
 from app.feedback.router import router as feedback_router
 from app.gateway.assignment import RoutingCache
+from app.gateway.in_flight import InFlight
 from app.gateway.router import router as gateway_router
 from app.gateway.service import Gateway
 from app.gateway.sink import EventSink
@@ -91,6 +92,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             app.state.browser_sessions = BrowserSessions(redis)
             app.state.rate_limiter = RateLimiter(redis, settings.rate_limit_per_minute)
+            app.state.in_flight = InFlight(
+                settings.max_in_flight_per_key, expire_s=2 * settings.upstream_timeout_s
+            )
             app.state.gateway = Gateway(
                 upstream=upstream,
                 routing=routing,

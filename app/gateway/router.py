@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from app.auth.schemas import Principal
 from app.config import Settings
 from app.gateway.assignment import hash_user
+from app.gateway.in_flight import InFlight, released_after
 from app.gateway.schemas import ChatRequest, ModelCard, ModelList
 from app.gateway.service import ChatCall, Gateway
 from app.gateway.toolcalls import looks_like_edit_request
@@ -86,15 +87,27 @@ async def chat_completions(
         parent_request_id=_id_header(request, "x-rtrl-parent-request-id"),
         edit_requested_explicitly=edit_header is not None,
     )
-    assignment = await gateway.assign(call.user_hash)
-    if chat.stream:
-        chunks, assignment = await gateway.open_stream(call, assignment, request.is_disconnected)
-        headers = _served_headers(assignment.checkpoint, _SSE_HEADERS)
-        return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-    content, assignment = await gateway.complete(call, assignment)
-    return Response(
-        content, media_type="application/json", headers=_served_headers(assignment.checkpoint)
-    )
+    in_flight: InFlight = request.app.state.in_flight
+    release = in_flight.admit(principal.key_id)
+    streaming = False
+    try:
+        assignment = await gateway.assign(call.user_hash)
+        if chat.stream:
+            chunks, assignment = await gateway.open_stream(
+                call, assignment, request.is_disconnected
+            )
+            headers = _served_headers(assignment.checkpoint, _SSE_HEADERS)
+            streaming = True
+            return StreamingResponse(
+                released_after(chunks, release), media_type="text/event-stream", headers=headers
+            )
+        content, assignment = await gateway.complete(call, assignment)
+        return Response(
+            content, media_type="application/json", headers=_served_headers(assignment.checkpoint)
+        )
+    finally:
+        if not streaming:
+            release()
 
 
 def _served_headers(checkpoint: str, extra: dict[str, str] | None = None) -> dict[str, str]:

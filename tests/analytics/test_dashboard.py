@@ -27,6 +27,7 @@ from sqlalchemy import Engine, select
 from app.abtest.rollups import refresh_rollups
 from app.analytics.dependencies import SESSION_COOKIE
 from app.auth.service import hash_secret
+from app.auth.sessions import SESSIONS_PER_KEY
 from app.config import Settings
 from app.db import session_scope
 from app.main import create_app
@@ -229,6 +230,27 @@ def test_revoking_the_key_ends_its_dashboard_sessions(
 
     assert client.get("/analytics/experiments").status_code == 401
     assert client.get("/dashboard").status_code == 401
+    client.cookies.clear()
+
+
+def test_a_key_keeps_only_its_newest_dashboard_sessions(
+    client: TestClient, make_key: Callable[..., str]
+) -> None:
+    # A script that signs in over and over does not grow Redis: past the cap, the oldest ends.
+    key = make_key(Role.analyst)
+    cookies = []
+    for _ in range(SESSIONS_PER_KEY + 1):
+        client.cookies.clear()
+        assert sign_in(client, key).status_code == 303
+        cookies.append(client.cookies[SESSION_COOKIE])
+
+    def works(cookie: str) -> bool:
+        client.cookies.clear()
+        client.cookies.set(SESSION_COOKIE, cookie)
+        return client.get("/analytics/experiments").status_code == 200
+
+    assert not works(cookies[0])
+    assert all(works(cookie) for cookie in cookies[1:])
     client.cookies.clear()
 
 

@@ -57,7 +57,7 @@ class BrowserSessions:
         # trimmed by the next.
         oldest = await self.redis.zrange(sessions, 0, -(self.per_key + 1))
         if oldest:
-            ended = [m.decode() if isinstance(m, bytes) else m for m in oldest]
+            ended = [m.decode() if isinstance(m, bytes) else str(m) for m in oldest]
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(*(_session_key(i) for i in ended))
                 pipe.zrem(sessions, *ended)
@@ -85,7 +85,7 @@ class BrowserSessions:
             *await self.redis.zrange(_sessions_of(key_id), 0, -1),
             *await self.redis.smembers(_unordered_sessions_of(key_id)),
         ]
-        ids = [m.decode() if isinstance(m, bytes) else m for m in members]
+        ids = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
         await self.redis.delete(
             *(_session_key(i) for i in ids), _sessions_of(key_id), _unordered_sessions_of(key_id)
         )

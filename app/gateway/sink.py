@@ -59,6 +59,9 @@ BATCH_WINDOW_S = 0.2
 """How long the first queued event waits for others: each Kafka round trip costs
 kafka-python milliseconds of CPU (and the GIL), so events go in batches, not one by one."""
 PROBE_INTERVAL_S = 1.0
+SYNC_INTERVAL_S = 0.2
+"""How often the spool's appends are fsynced, by a thread of their own: however long a send
+or a broker outage holds the drain thread, a machine crash loses at most this window."""
 TOPIC_CHECK_INTERVAL_S = 2.0
 """How often the topic ids are compared with those the retained events were delivered to."""
 LOOK_AFTER_INTERVAL_S = 10.0
@@ -131,6 +134,8 @@ class EventSink:
         self._next_probe = 0.0
         self._close_drain_s = CLOSE_DRAIN_S
         self._thread = threading.Thread(target=self._run, name="rtrl-event-sink", daemon=True)
+        self._sync_stop = threading.Event()
+        self._syncer = threading.Thread(target=self._sync, name="rtrl-spool-sync", daemon=True)
         KAFKA_CONNECTED.set_function(lambda: self.kafka_connected)
         SPOOL_DEPTH.labels("memory").set_function(lambda: len(self._queue))
         SPOOL_DEPTH.labels("disk").set_function(self._spooled)
@@ -151,6 +156,7 @@ class EventSink:
         earlier runs spooled first; Kafka may be down."""
         self.adopt_free_spools()
         self._thread.start()
+        self._syncer.start()
 
     def adopt_free_spools(self) -> None:
         """Take over the spools under the root that no running gateway holds."""
@@ -237,6 +243,9 @@ class EventSink:
         if self._thread.is_alive():
             log.error("event sink did not stop within %.0f s", timeout_s)
             return
+        self._sync_stop.set()
+        if self._syncer.is_alive():
+            self._syncer.join(timeout=5)
         self._close_producer(timeout_s=2.0)
         self._topic_ids.close()
         with self._wakeup:
@@ -246,6 +255,19 @@ class EventSink:
                 EVENTS_DROPPED.inc(len(self._queue))
         for spool in self._spools():
             spool.close()
+
+    def _sync(self) -> None:
+        """Fsync the spool's appends every `SYNC_INTERVAL_S`, apart from the drain thread."""
+        failing = False
+        while not self._sync_stop.wait(SYNC_INTERVAL_S):
+            try:
+                self.disk.sync()
+            except OSError:
+                if not failing:
+                    log.exception("event spool could not be synced")
+                failing = True
+            else:
+                failing = False
 
     # -- the drain thread -----------------------------------------------------------------
 

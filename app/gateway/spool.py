@@ -4,8 +4,8 @@ for a retention window after, so they can be sent again should the broker lose t
 A directory of append-only JSON-lines segments with a cursor file that records how far
 Kafka acknowledged. Delivered segments are kept while they are younger than the retention
 window and within its byte cap, then deleted; `rewind` marks them undelivered again. Appends
-go to the page cache (no fsync) so the request path stays fast; the sink fsyncs each batch
-before sending it. One gateway holds the directory at a time (a file lock).
+go to the page cache (no fsync) so the request path stays fast; the sink fsyncs them every
+200 ms, and each batch before sending it. One gateway holds the directory at a time (a file lock).
 """
 
 from __future__ import annotations
@@ -157,6 +157,12 @@ class DiskSpool:
                 self._close_tail()
         for envelope in envelopes:
             EVENTS_SPOOLED.labels(envelope.topic).inc()
+
+    @property
+    def synced(self) -> bool:
+        """Whether every append so far is on disk (fsynced), not only in the page cache."""
+        with self._mutex:
+            return not self._unsynced and not self._directory_unsynced
 
     def sync(self) -> None:
         """Make earlier appends durable; appends go on meanwhile, as fsync runs unlocked."""

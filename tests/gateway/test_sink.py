@@ -20,7 +20,7 @@ from app.embedded.process import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC
 from app.gateway.metrics import EVENTS_SET_ASIDE
-from app.gateway.sink import EventSink
+from app.gateway.sink import SYNC_INTERVAL_S, EventSink
 from app.gateway.spool import DiskSpool, Envelope, Retention
 from app.gateway.spools import claim_spool, spool_directories
 from tests.gateway.conftest import read_topic
@@ -68,6 +68,32 @@ def test_a_restarted_gateway_replays_its_spool_exactly_once_with_nothing_in_memo
 
     values = read_topic(stack.kafka.url, topic, expected=1_005)
     assert values == [envelope.value for envelope in envelopes(1_005, topic=topic)]
+
+
+def test_appends_are_fsynced_within_the_sync_interval_while_kafka_is_down(
+    tmp_path: Path,
+) -> None:
+    # The drain thread waits a second between probes of a broker that is down (and a whole
+    # send on a slow one); a machine crash meanwhile must lose no more than SYNC_INTERVAL_S.
+    sink = EventSink(f"127.0.0.1:{free_port()}", DiskSpool(tmp_path), memory_events=100)
+    sink.start()
+    try:
+        sink.publish_encoded(envelopes(1)[0])
+        wait_until(lambda: sink.disk.synced, 5, "the first append to be fsynced")
+        delays = []
+        for envelope in envelopes(5, start=1):
+            time.sleep(0.25)
+            sink.publish_encoded(envelope)  # the drain thread is not woken for these
+            published = time.monotonic()
+            while not sink.disk.synced and time.monotonic() - published < 5:
+                time.sleep(0.01)
+            delays.append(time.monotonic() - published)
+    finally:
+        sink.close(drain_s=0)
+    # Within the interval, with room for a busy machine; the drain thread alone took up to
+    # its 1-second probe interval.
+    assert max(delays) < 3 * SYNC_INTERVAL_S, delays
+    assert DiskSpool(tmp_path).pending == 6
 
 
 def test_a_disk_that_refuses_writes_holds_events_in_memory_in_order(

@@ -19,6 +19,7 @@ from app.embedded.kafka import DEFAULT_TOPICS, ensure_topics
 from app.embedded.process import ServiceError
 from app.embedded.stack import EmbeddedStack, ServiceStatus
 from app.heartbeat import heartbeat_age
+from app.kafka_clients import kafka_security
 from app.models import Checkpoint, Role
 from app.serving.checkpoints import (
     PublishError,
@@ -92,6 +93,7 @@ def migrate() -> None:
         settings.kafka_bootstrap_servers,
         DEFAULT_TOPICS,
         topic_configs={"max.message.bytes": str(settings.kafka_max_message_bytes)},
+        security=kafka_security(settings),
     )
     upgrade_schema(settings.database_url)
     typer.echo("topics present and schema at head")
@@ -199,7 +201,7 @@ def serve(
     try:
         with session_scope(engine) as session:
             ensure_base_checkpoint(session, str(settings.base_model_path))
-        report = reconcile(engine, [server.url])
+        report = reconcile(engine, [server.url], api_key=server.api_key)
     finally:
         engine.dispose()
     for replica, names in report.loaded.items():
@@ -253,6 +255,7 @@ def checkpoints_publish(
             replicas=settings.vllm_urls,
             checkpoints_dir=settings.checkpoints_dir.resolve(),
             base_model=str(settings.base_model_path),
+            api_key=settings.vllm_api_key.get_secret_value(),
         )
     finally:
         engine.dispose()
@@ -265,7 +268,9 @@ def checkpoints_retire(name: str) -> None:
     settings = get_settings()
     engine = make_engine(settings.database_url)
     try:
-        failed = retire_checkpoint(engine, name, settings.vllm_urls)
+        failed = retire_checkpoint(
+            engine, name, settings.vllm_urls, api_key=settings.vllm_api_key.get_secret_value()
+        )
     finally:
         engine.dispose()
     typer.echo(f"retired {name}")
@@ -279,7 +284,9 @@ def checkpoints_reconcile() -> None:
     settings = get_settings()
     engine = make_engine(settings.database_url)
     try:
-        report = reconcile(engine, settings.vllm_urls)
+        report = reconcile(
+            engine, settings.vllm_urls, api_key=settings.vllm_api_key.get_secret_value()
+        )
     finally:
         engine.dispose()
     for replica in settings.vllm_urls:
@@ -328,6 +335,7 @@ def spool_replay(
         Retention(settings.spool_retention, settings.spool_retention_bytes),
         since=start,
         timeout_s=timeout,
+        security=kafka_security(settings),
     )
     sent = report.retained + report.pending - report.left
     typer.echo(

@@ -5,10 +5,17 @@ from __future__ import annotations
 from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -55,11 +62,29 @@ class Settings(BaseSettings):
     kafka_bootstrap_servers: str = ""
     """Comma-separated Kafka bootstrap servers."""
 
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How every Kafka client rtrl builds talks to the brokers (the embedded one: PLAINTEXT);
+    the SASL ones authenticate with the mechanism and credentials below."""
+
+    kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        default="", validate_default=True
+    )
+    """SASL mechanism; required with, and only with, a SASL_* security protocol."""
+
+    kafka_sasl_username: str = ""
+    kafka_sasl_password: SecretStr = Field(default=SecretStr(""), validate_default=True)
+    """The SASL credentials (PLAIN sends them as they are: use it over a private network or
+    SASL_SSL)."""
+
     redis_url: str = ""
     """Redis URL (rate limits, experiment change notifications)."""
 
     vllm_urls: Annotated[list[str], NoDecode] = []
     """Comma-separated base URLs of the vLLM OpenAI servers (one per replica)."""
+
+    vllm_api_key: SecretStr = SecretStr("")
+    """The key the vLLM servers were started with (`--api-key`): every call rtrl makes to
+    them sends it as `Authorization: Bearer`; empty sends none."""
 
     tool_call_parser: str = "hermes"
     """vLLM's tool-call parser, matching the served model's chat template (hermes for the
@@ -206,6 +231,30 @@ class Settings(BaseSettings):
             host, sep, port = server.strip().rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"{server!r} is not host:port")
+        return value
+
+    @field_validator("kafka_sasl_mechanism")
+    @classmethod
+    def _sasl_mechanism_with_sasl_protocol(cls, value: str, info: ValidationInfo) -> str:
+        protocol = info.data.get("kafka_security_protocol", "PLAINTEXT")
+        if protocol.startswith("SASL_") and not value:
+            raise ValueError(
+                f"RTRL_KAFKA_SECURITY_PROTOCOL={protocol} needs a mechanism: PLAIN, SCRAM-SHA-256 "
+                "or SCRAM-SHA-512"
+            )
+        if value and not protocol.startswith("SASL_"):
+            raise ValueError(
+                f"{value} needs RTRL_KAFKA_SECURITY_PROTOCOL=SASL_PLAINTEXT or SASL_SSL"
+            )
+        return value
+
+    @field_validator("kafka_sasl_password")
+    @classmethod
+    def _sasl_credentials(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        if info.data.get("kafka_sasl_mechanism") and not (
+            info.data.get("kafka_sasl_username") and value.get_secret_value()
+        ):
+            raise ValueError("SASL needs RTRL_KAFKA_SASL_USERNAME and RTRL_KAFKA_SASL_PASSWORD")
         return value
 
     @field_validator("redis_url")

@@ -11,11 +11,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kafka.net.compat import KafkaNetClient
 
+if TYPE_CHECKING:
+    from app.config import Settings
+
 T = TypeVar("T")
+
+
+def kafka_security(settings: Settings) -> dict[str, Any]:
+    """The options that make a kafka-python client speak the brokers' security protocol
+    (`RTRL_KAFKA_SECURITY_PROTOCOL`) and authenticate (`RTRL_KAFKA_SASL_*`); every client
+    rtrl builds from settings takes them."""
+    options: dict[str, Any] = {"security_protocol": settings.kafka_security_protocol}
+    if settings.kafka_sasl_mechanism:
+        options |= {
+            "sasl_mechanism": settings.kafka_sasl_mechanism,
+            "sasl_plain_username": settings.kafka_sasl_username,
+            "sasl_plain_password": settings.kafka_sasl_password.get_secret_value(),
+        }
+    return options
 
 
 def kafka_client(factory: Callable[..., T], **options: Any) -> T:

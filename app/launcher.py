@@ -165,7 +165,11 @@ class FullStack:
         try:
             with session_scope(engine) as session:
                 ensure_base_checkpoint(session, str(self.settings.base_model_path))
-            report = reconcile(engine, self.settings.vllm_urls)
+            report = reconcile(
+                engine,
+                self.settings.vllm_urls,
+                api_key=self.settings.vllm_api_key.get_secret_value(),
+            )
         finally:
             engine.dispose()
         if report.errors:

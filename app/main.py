@@ -44,6 +44,7 @@ from app.gateway.sink import EventSink
 from app.gateway.spool import Retention
 from app.gateway.upstream import Upstream
 from app.http.errors import BodySizeLimit, install_error_handlers
+from app.kafka_clients import kafka_security
 from app.observability import RequestObservability, configure_logging
 from app.shutdown import DrainingServer, Shutdown, ShutdownGate
 
@@ -77,8 +78,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             Retention(settings.spool_retention, settings.spool_retention_bytes),
             memory_events=settings.spool_memory_events,
             producer_options={"max_request_size": settings.kafka_max_message_bytes},
+            security=kafka_security(settings),
         )
-        upstream = Upstream(settings.vllm_urls, timeout_s=settings.upstream_timeout_s)
+        upstream = Upstream(
+            settings.vllm_urls,
+            timeout_s=settings.upstream_timeout_s,
+            api_key=settings.vllm_api_key.get_secret_value(),
+        )
         routing = RoutingCache(session_maker, redis)
         try:
             sink.start()

@@ -221,9 +221,11 @@ def lora_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @contextmanager
-def running_vllm(model_dir: Path, root: Path) -> Iterator[VllmServer]:
+def running_vllm(model_dir: Path, root: Path, api_key: str = "") -> Iterator[VllmServer]:
     """A real vLLM server on `model_dir`, fp32 so logprobs compare, stopped on exit."""
-    server = VllmServer(model_dir=model_dir, port=free_port(), root=root, dtype="float32")
+    server = VllmServer(
+        model_dir=model_dir, port=free_port(), root=root, dtype="float32", api_key=api_key
+    )
     server.start(timeout=300)
     try:
         yield server
@@ -237,6 +239,17 @@ def vllm_server(
 ) -> Iterator[VllmServer]:
     """One real vLLM server on the tiny model for the whole session."""
     with running_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def keyed_vllm_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """A second real vLLM server, started with an API key as compose starts production's
+    (its `api_key`): every /v1 call without `Authorization: Bearer <key>` is refused."""
+    root = tmp_path_factory.mktemp("keyed-vllm")
+    with running_vllm(tiny_model_dir, root, api_key=f"vllm-{uuid.uuid4().hex}") as server:
         yield server
 
 

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from app.config import Settings, SettingsError, load_settings, refuse_development_secrets
+from app.config import (
+    Settings,
+    SettingsError,
+    load_settings,
+    refuse_development_secrets,
+    settings_environment,
+)
 from app.main import create_app
 
 
@@ -63,6 +69,10 @@ def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
         ("RTRL_SURVIVAL_HORIZON", "0"),
         ("RTRL_GUARDRAIL_INTERVAL", "0"),
         ("RTRL_EMBEDDED_POSTGRES_PORT", "70000"),
+        ("RTRL_KAFKA_SECURITY_PROTOCOL", "SASL_PLAIN"),
+        ("RTRL_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT"),  # with no mechanism
+        ("RTRL_KAFKA_SASL_MECHANISM", "PLAIN"),  # over PLAINTEXT
+        ("RTRL_KAFKA_SASL_MECHANISM", "GSSAPI"),
     ],
 )
 def test_invalid_values_fail_naming_the_variable(
@@ -72,6 +82,36 @@ def test_invalid_values_fail_naming_the_variable(
     with pytest.raises(SettingsError) as excinfo:
         load_settings()
     assert variable in str(excinfo.value)
+
+
+def test_kafka_sasl_and_the_vllm_key_are_read_and_kept_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Settings().kafka_security_protocol == "PLAINTEXT"  # the embedded broker's
+    assert Settings().vllm_api_key.get_secret_value() == ""  # no header sent
+    monkeypatch.setenv("RTRL_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("RTRL_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512")
+    monkeypatch.setenv("RTRL_KAFKA_SASL_USERNAME", "rtrl")
+    monkeypatch.setenv("RTRL_KAFKA_SASL_PASSWORD", "k4fka")
+    monkeypatch.setenv("RTRL_VLLM_API_KEY", "vllm-k3y")
+    settings = load_settings()
+    assert settings.kafka_sasl_password.get_secret_value() == "k4fka"
+    assert settings.vllm_api_key.get_secret_value() == "vllm-k3y"
+    assert "k4fka" not in repr(settings) and "vllm-k3y" not in repr(settings)
+    # Child processes (`rtrl up`'s gateway and workers) read the same.
+    assert (
+        Settings(
+            **{
+                k.removeprefix("RTRL_").lower(): v
+                for k, v in settings_environment(settings).items()
+            }
+        )
+        == settings
+    )
+
+    monkeypatch.delenv("RTRL_KAFKA_SASL_PASSWORD")
+    with pytest.raises(SettingsError, match="RTRL_KAFKA_SASL_PASSWORD"):
+        load_settings()
 
 
 PRODUCTION = {

@@ -119,7 +119,9 @@ def run_locked_cycle(
     try:
         if abandon_crashed_runs(engine):
             # A run that died while publishing may have left its adapter on a replica.
-            report = reconcile(engine, settings.vllm_urls)
+            report = reconcile(
+                engine, settings.vllm_urls, api_key=settings.vllm_api_key.get_secret_value()
+            )
             for replica, names in report.unloaded.items():
                 progress(f"unloaded unregistered {', '.join(names)} from {replica}")
             for error in report.errors:
@@ -452,6 +454,7 @@ def judge_and_publish(
         checkpoints_dir=settings.checkpoints_dir.resolve(),
         base_model=str(settings.base_model_path),
         reward_version=settings.reward_version,
+        api_key=settings.vllm_api_key.get_secret_value(),
         manifest={
             "training_run": plan.run_id,
             "data_window": list(plan.window),

@@ -26,6 +26,10 @@ class WorkerConfig:
     """Kafka consumer group shared by every worker process."""
     max_records: int = 2000
     """Most messages one poll returns: one batch, one DB transaction, one offset commit."""
+    statement_timeout_s: float = 30.0
+    """The time budget of each statement that stores a batch (Postgres `statement_timeout`;
+    waiting for a peer's partition lock does not count). A batch that overruns it is stored
+    in halves; a message that overruns it alone goes to the DLQ."""
     poll_timeout_ms: int = 500
     """How long a poll waits for messages when none are buffered."""
     session_timeout_ms: int = 6000

@@ -22,8 +22,9 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata
+from psycopg.errors import QueryCanceled
 from pydantic import ValidationError
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
@@ -31,7 +32,7 @@ from app.abtest.guardrails import check_guardrails
 from app.config import Settings
 from app.events import DeadLetter, decode_completion, decode_feedback, encode
 from app.heartbeat import Heartbeat
-from app.kafka_clients import kafka_client
+from app.kafka_clients import kafka_client, kafka_security
 from app.signals.rewards import reward_weights
 from workers.config import WorkerConfig
 from workers.metrics import (
@@ -57,6 +58,9 @@ from workers.watermarks import StreamWatermarks
 log = logging.getLogger(__name__)
 
 REASON_MAX_CHARS = 2000
+PAYLOAD_MAX_CHARS = 256 * 1024
+"""A dead letter carries at most this much of its message (the whole stays at its offset in
+the source topic), so it never outgrows what the broker takes."""
 PRIVATE_IDS = ("event_id", "session_id", "request_id", "privacy")
 
 
@@ -100,6 +104,12 @@ def dead_letter(record: Record, reason: str) -> DeadLetter:
     private = _private_ids(record.value)
     if private is not None:
         payload, reason = private, reason + " (privacy mode: content dropped)"
+    elif len(payload) > PAYLOAD_MAX_CHARS:
+        reason = (
+            f"{reason} (payload cut from {len(record.value or b'')} bytes to its first"
+            f" {PAYLOAD_MAX_CHARS} characters; the whole message stays at its offset)"
+        )
+        payload = payload[:PAYLOAD_MAX_CHARS]
     if len(reason) > REASON_MAX_CHARS:
         reason = reason[: REASON_MAX_CHARS - 1] + "…"
     return DeadLetter(
@@ -145,6 +155,10 @@ def decode_batch(records: Iterable[Record], config: WorkerConfig) -> Batch:
         except InvalidMessage as exc:
             batch.dead_letters.append(dead_letter(record, str(exc)))
             continue
+        except Exception as exc:  # a message the worker's own code fails on: never a crash loop
+            log.exception("message %s[%d]@%d failed", record.topic, record.partition, record.offset)
+            batch.dead_letters.append(dead_letter(record, f"failed: {type(exc).__name__}: {exc}"))
+            continue
         if record.topic == config.completions_topic:
             batch.samples.append(accepted)
         else:
@@ -173,26 +187,49 @@ def row_of(record: Record, config: WorkerConfig) -> dict[str, Any]:
 
 
 def store_batch(engine: Engine, batch: Batch, config: WorkerConfig) -> list[DeadLetter]:
-    """Store a batch in one transaction; rows Postgres still rejects become dead letters.
+    """Store a batch in one transaction; the messages that cannot be stored become dead letters.
 
-    The rare row that passes validation and fails in Postgres must not stall the stream, so
-    a rejected batch is retried one message per transaction to find it.
+    A batch Postgres rejects (a row that passed validation and still fails), that overruns
+    the time budget (`WorkerConfig.statement_timeout_s`) or that makes the worker's code raise
+    is stored again in halves, down to the one message at fault, so that no message stalls
+    the stream and the others are stored as they would have been.
     """
-    try:
-        _store(engine, batch.samples, batch.feedback, config)
+    messages = [(True, a) for a in batch.samples] + [(False, a) for a in batch.feedback]
+    return _store_bisecting(engine, messages, config)
+
+
+def _store_bisecting(
+    engine: Engine, messages: Sequence[tuple[bool, Accepted]], config: WorkerConfig
+) -> list[DeadLetter]:
+    if not messages:
         return []
+    try:
+        _store(
+            engine,
+            [accepted for is_sample, accepted in messages if is_sample],
+            [accepted for is_sample, accepted in messages if not is_sample],
+            config,
+        )
+        return []
+    except OperationalError as exc:
+        if not isinstance(exc.orig, QueryCanceled):
+            raise  # the database is unavailable: the caller waits and retries the batch
+        reason = (
+            f"over the worker's time budget: a statement storing it ran past"
+            f" {config.statement_timeout_s:g} s"
+        )
     except (DataError, IntegrityError) as exc:
-        log.warning("batch rejected by the database, storing one message at a time: %s", exc.orig)
-    rejected = []
-    singles: list[tuple[list[Accepted], list[Accepted]]]
-    singles = [([a], []) for a in batch.samples] + [([], [a]) for a in batch.feedback]
-    for sample_rows, feedback in singles:
-        try:
-            _store(engine, sample_rows, feedback, config)
-        except (DataError, IntegrityError) as exc:
-            (accepted,) = sample_rows or feedback
-            rejected.append(dead_letter(accepted.record, f"rejected by the database: {exc.orig}"))
-    return rejected
+        reason = f"rejected by the database: {exc.orig}"
+    except Exception as exc:
+        log.exception("storing %d messages failed", len(messages))
+        reason = f"failed: {type(exc).__name__}: {exc}"
+    if len(messages) == 1:
+        return [dead_letter(messages[0][1].record, reason)]
+    log.warning("a batch of %d not stored (%s); storing it in halves", len(messages), reason)
+    half = len(messages) // 2
+    return _store_bisecting(engine, messages[:half], config) + _store_bisecting(
+        engine, messages[half:], config
+    )
 
 
 def _store(
@@ -202,7 +239,13 @@ def _store(
     config: WorkerConfig,
 ) -> None:
     with engine.begin() as conn:
+        # Waiting for a peer that holds a partition is not this batch's fault: the budget
+        # starts once the locks are held.
         lock_partitions(conn, {a.record.partition for a in [*sample_rows, *feedback]})
+        conn.execute(
+            text("SELECT set_config('statement_timeout', :ms, true)"),
+            {"ms": str(max(1, round(config.statement_timeout_s * 1000)))},
+        )
         store_events(
             conn,
             [a.row for a in sample_rows],
@@ -240,6 +283,7 @@ def make_consumer(settings: Settings, config: WorkerConfig) -> KafkaConsumer:
         # A session's completion and feedback share partition numbers; range assignment
         # hands the same numbers of both topics to one worker (see repository.lock_partitions).
         partition_assignment_strategy=(RangePartitionAssignor,),
+        **kafka_security(settings),
     )
 
 
@@ -249,10 +293,14 @@ def make_producer(settings: Settings) -> KafkaProducer:
         KafkaProducer,
         bootstrap_servers=settings.kafka_bootstrap_servers,
         client_id="rtrl-worker-dlq",
+        # The topics take messages up to this size (`rtrl migrate`); a dead letter is cut
+        # well below it (PAYLOAD_MAX_CHARS).
+        max_request_size=settings.kafka_max_message_bytes,
         acks="all",
         enable_idempotence=True,
         compression_type="gzip",
         linger_ms=5,
+        **kafka_security(settings),
     )
 
 
@@ -344,20 +392,13 @@ def consume_batch(
                 return len(records)  # offsets stay uncommitted: the batch comes back
             log.warning("database unavailable, retrying the batch: %s", exc)
             time.sleep(1.0)
-    for letter in dead_letters:
-        log.warning(
-            "dead letter %s[%d]@%d: %s",
-            letter.source_topic,
-            letter.partition,
-            letter.offset,
-            letter.reason[:200],
-        )
-        producer.send(
-            config.dlq_topic,
-            key=letter.key.encode() if letter.key is not None else None,
-            value=encode(letter),
-        )
-    producer.flush()
+    if not send_dead_letters(producer, config.dlq_topic, dead_letters):
+        # Nothing is committed and the batch is read again: a dead letter is never lost.
+        for partition, polled_records in polled.items():
+            if polled_records:
+                consumer.seek(partition, polled_records[0].offset)
+        time.sleep(1.0)
+        return len(records)
     try:
         consumer.commit(next_offsets(polled))
     except CommitFailedError as exc:
@@ -376,6 +417,35 @@ def consume_batch(
         len(dead_letters),
     )
     return len(records)
+
+
+def send_dead_letters(producer: KafkaProducer, topic: str, letters: Sequence[DeadLetter]) -> bool:
+    """Send the dead letters and wait until the broker has them all; False if it did not take
+    one (it is down, or refused it), which the caller answers by reading the batch again."""
+    futures = []
+    try:
+        for letter in letters:
+            log.warning(
+                "dead letter %s[%d]@%d: %s",
+                letter.source_topic,
+                letter.partition,
+                letter.offset,
+                letter.reason[:200],
+            )
+            futures.append(
+                producer.send(
+                    topic,
+                    key=letter.key.encode() if letter.key is not None else None,
+                    value=encode(letter),
+                )
+            )
+        producer.flush()
+        for future in futures:
+            future.get(timeout=30)
+    except KafkaError as exc:
+        log.warning("dead letters not delivered, reading the batch again: %s", exc)
+        return False
+    return True
 
 
 def run_worker(

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
+from functools import partial
 from typing import Annotated
 
 import anyio
@@ -125,9 +126,15 @@ async def announce(request: Request) -> None:
 
 async def serve_everywhere(request: Request, checkpoint: Checkpoint) -> None:
     """Refuse (503) unless every vLLM replica serves the checkpoint, loading it where missing."""
-    replicas = request.app.state.settings.vllm_urls
+    settings = request.app.state.settings
     failures = await anyio.to_thread.run_sync(
-        load_everywhere, checkpoint.name, checkpoint.adapter_path, replicas
+        partial(
+            load_everywhere,
+            checkpoint.name,
+            checkpoint.adapter_path,
+            settings.vllm_urls,
+            api_key=settings.vllm_api_key.get_secret_value(),
+        )
     )
     if failures:
         raise ApiError(

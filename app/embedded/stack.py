@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from app.config import Settings
 from app.db import upgrade_schema
 from app.embedded.kafka import DEFAULT_TOPICS, EmbeddedKafka, ensure_topics
 from app.embedded.postgres import EmbeddedPostgres
 from app.embedded.redis import EmbeddedRedis
+from app.kafka_clients import kafka_security
 
 
 class EmbeddedService(Protocol):
@@ -45,6 +46,8 @@ class EmbeddedStack:
     kafka: EmbeddedKafka
     redis: EmbeddedRedis
     external_urls: dict[str, str]
+    kafka_security: dict[str, Any] = field(default_factory=dict)
+    """How to reach an external Kafka (`kafka_security`); the embedded broker is PLAINTEXT."""
 
     @classmethod
     def at(
@@ -80,6 +83,8 @@ class EmbeddedStack:
         for service in stack.all():
             if configured[service.name] != service.url:
                 stack.external_urls[service.name] = configured[service.name]
+        if "kafka" in stack.external_urls:
+            stack.kafka_security = kafka_security(settings)
         return stack
 
     def all(self) -> list[EmbeddedService]:
@@ -96,7 +101,7 @@ class EmbeddedStack:
         for service in self.embedded():
             service.start()
         if "kafka" in self.external_urls:
-            ensure_topics(self.url("kafka"), DEFAULT_TOPICS)
+            ensure_topics(self.url("kafka"), DEFAULT_TOPICS, security=self.kafka_security)
         upgrade_schema(self.url("postgres"))
         return self.status()
 

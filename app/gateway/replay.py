@@ -8,9 +8,11 @@ the topic, a consumer that skipped some) an operator stops the gateway and repla
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
@@ -56,6 +58,7 @@ def replay_spools(
     *,
     since: datetime | None = None,
     timeout_s: float = 300.0,
+    security: Mapping[str, Any] | None = None,
 ) -> ReplayReport:
     """Send every free spool's retained events (those since `since`) and pending ones again."""
     started = time.monotonic()
@@ -63,7 +66,7 @@ def replay_spools(
     held = [d for d in spool_directories(root) if d not in {s.directory for s in free}]
     if not free:
         return ReplayReport([], held, 0, 0, 0, time.monotonic() - started)
-    sink = EventSink(bootstrap_servers, free[-1], adopted=free[:-1])
+    sink = EventSink(bootstrap_servers, free[-1], adopted=free[:-1], security=security)
     pending = sink.depth["disk"]
     retained = sink.rewind(since)
     sink.start()

@@ -549,6 +549,10 @@ class Gateway:
                 type="service_unavailable",
                 code="checkpoint_unavailable",
             )
+        if status == 401:
+            # vLLM's --api-key refused the gateway's (RTRL_VLLM_API_KEY): not the client's key.
+            log.error("vLLM refused the gateway's API key: set RTRL_VLLM_API_KEY to its --api-key")
+            raise Unserved(502, "The model server refused the gateway.", type="api_error")
         if status < 500:
             # The request was at fault, not the policy: nothing to learn from, nothing logged.
             raise Unserved(status, message, param=param)

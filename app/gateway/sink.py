@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,7 @@ class EventSink:
         memory_events: int = 10_000,
         delivery_timeout_ms: int = 8_000,
         producer_options: dict[str, Any] | None = None,
+        security: Mapping[str, Any] | None = None,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.memory_events = memory_events
@@ -105,7 +106,7 @@ class EventSink:
         self.disk = spool
         self.spool_root = spool_root
         self._adopted = list(adopted)
-        self._topic_ids = TopicIds(bootstrap_servers)
+        self._topic_ids = TopicIds(bootstrap_servers, security=security)
         self._next_topic_check = 0.0
         self._missing_topics: set[str] = set()
         self._next_look_after = 0.0
@@ -122,6 +123,7 @@ class EventSink:
             "request_timeout_ms": min(5_000, delivery_timeout_ms - 1_000),
             "delivery_timeout_ms": delivery_timeout_ms,
             "bootstrap_timeout_ms": 3_000,
+            **(security or {}),
             **(producer_options or {}),
         }
         self._queue: deque[Envelope] = deque()

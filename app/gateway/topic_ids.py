@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from kafka.admin import KafkaAdminClient
 
@@ -25,12 +26,19 @@ NO_ERROR = 0
 class TopicIds:
     """Reads topic ids from the broker through one admin connection, opened when first needed."""
 
-    def __init__(self, bootstrap_servers: str, *, timeout_ms: int = 3_000) -> None:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        timeout_ms: int = 3_000,
+        security: Mapping[str, Any] | None = None,
+    ) -> None:
         self._options = {
             "bootstrap_servers": bootstrap_servers.split(","),
             "client_id": "rtrl-gateway-topics",
             "request_timeout_ms": timeout_ms,
             "bootstrap_timeout_ms": timeout_ms,
+            **(security or {}),
         }
         self._admin: KafkaAdminClient | None = None
 

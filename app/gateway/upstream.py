@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 
 from app.gateway.metrics import UPSTREAM_ERRORS
+from app.serving.replicas import vllm_headers
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,14 @@ class UpstreamStream:
 class Upstream:
     """One connection pool for every vLLM replica; each request starts at the next one."""
 
-    def __init__(self, replicas: list[str], *, timeout_s: float, max_connections: int = 512):
+    def __init__(
+        self,
+        replicas: list[str],
+        *,
+        timeout_s: float,
+        max_connections: int = 512,
+        api_key: str = "",
+    ):
         if not replicas:
             raise ValueError("at least one vLLM replica URL is needed")
         self.replicas = list(replicas)
@@ -89,6 +97,8 @@ class Upstream:
                 limit=max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
             ),
             timeout=self._timeout,
+            # vLLM's --api-key (RTRL_VLLM_API_KEY), on every request to every replica.
+            headers=vllm_headers(api_key),
             skip_auto_headers=("User-Agent",),
         )
         self._served: frozenset[str] | None = None

@@ -60,6 +60,7 @@ def publish_checkpoint(
     base_model: str,
     manifest: dict[str, Any] | None = None,
     reward_version: int | None = None,
+    api_key: str = "",
 ) -> Checkpoint:
     """Store the adapter as `ckpt-<n>`, load it into every replica, then register it.
 
@@ -98,7 +99,7 @@ def publish_checkpoint(
     loaded: list[str] = []
     try:
         for replica in replicas:
-            load_adapter(replica, name, destination)
+            load_adapter(replica, name, destination, api_key=api_key)
             loaded.append(replica)
         with session_scope(engine) as session:
             row = Checkpoint(
@@ -118,7 +119,7 @@ def publish_checkpoint(
         for replica in loaded:
             # If this fails too, reconcile unloads it later: it is not in the registry.
             with contextlib.suppress(ReplicaError):
-                unload_adapter(replica, name)
+                unload_adapter(replica, name, api_key=api_key)
         shutil.rmtree(destination, ignore_errors=True)
         raise PublishError(f"publishing {name} failed: {exc}") from exc
 
@@ -135,7 +136,9 @@ def store_adapter(adapter_dir: Path, destination: Path) -> Path:
     return destination.resolve()
 
 
-def retire_checkpoint(engine: Engine, name: str, replicas: list[str]) -> list[str]:
+def retire_checkpoint(
+    engine: Engine, name: str, replicas: list[str], *, api_key: str = ""
+) -> list[str]:
     """Mark a checkpoint retired and unload it; returns the replicas that failed to unload."""
     with session_scope(engine) as session:
         row = session.scalar(select(Checkpoint).where(Checkpoint.name == name))
@@ -148,7 +151,7 @@ def retire_checkpoint(engine: Engine, name: str, replicas: list[str]) -> list[st
     failed = []
     for replica in replicas:
         try:
-            unload_adapter(replica, name)
+            unload_adapter(replica, name, api_key=api_key)
         except ReplicaError:
             failed.append(replica)
     return failed
@@ -172,18 +175,18 @@ def live_adapters(engine: Engine) -> dict[str, Path]:
     return {name: Path(path) for name, path in rows if path is not None}
 
 
-def reconcile(engine: Engine, replicas: list[str]) -> ReconcileReport:
+def reconcile(engine: Engine, replicas: list[str], *, api_key: str = "") -> ReconcileReport:
     """Make every replica serve exactly the live checkpoints, e.g. after a restart."""
     wanted = live_adapters(engine)
     report = ReconcileReport()
     for replica in replicas:
         try:
-            served = served_adapters(replica)
+            served = served_adapters(replica, api_key=api_key)
             for name in sorted(wanted.keys() - served.keys()):
-                load_adapter(replica, name, wanted[name])
+                load_adapter(replica, name, wanted[name], api_key=api_key)
                 report.loaded.setdefault(replica, []).append(name)
             for name in sorted(served.keys() - wanted.keys()):
-                unload_adapter(replica, name)
+                unload_adapter(replica, name, api_key=api_key)
                 report.unloaded.setdefault(replica, []).append(name)
         except ReplicaError as exc:
             report.errors.append(str(exc))

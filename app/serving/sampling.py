@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from app.serving.replicas import ReplicaError
+from app.serving.replicas import ReplicaError, refused_key, vllm_headers
 
 MAX_PROMPTS_PER_REQUEST = 1024
 """vLLM's limit on a completions request's prompt list (`VLLM_MAX_COMPLETION_PROMPTS`)."""
@@ -30,6 +30,7 @@ def sample_completions(
     max_tokens: int = 48,
     temperature: float = 1.0,
     timeout: float = 300.0,
+    api_key: str = "",
 ) -> list[ServedCompletion]:
     """One completion per prompt (token ids in), as the behaviour policy sampled it; more
     prompts than vLLM takes in one request go in several.
@@ -47,6 +48,7 @@ def sample_completions(
             max_tokens=max_tokens,
             temperature=temperature,
             timeout=timeout,
+            api_key=api_key,
         )
     ]
 
@@ -59,6 +61,7 @@ def _sample(
     max_tokens: int,
     temperature: float,
     timeout: float,
+    api_key: str,
 ) -> list[ServedCompletion]:
     body: dict[str, object] = {
         "model": model,
@@ -69,9 +72,13 @@ def _sample(
         "return_token_ids": True,
     }
     try:
-        response = httpx.post(f"{replica}/v1/completions", json=body, timeout=timeout)
+        response = httpx.post(
+            f"{replica}/v1/completions", json=body, timeout=timeout, headers=vllm_headers(api_key)
+        )
     except httpx.HTTPError as exc:
         raise ReplicaError(replica, f"unreachable ({exc})") from exc
+    if response.status_code == 401:
+        raise refused_key(replica, api_key)
     if response.status_code != 200:
         raise ReplicaError(
             replica, f"completions answered {response.status_code}: {response.text[:300]}"

@@ -40,12 +40,14 @@ def vllm_device() -> str:
     return "cpu"
 
 
-def is_healthy(url: str, *, model: str | None = None, timeout: float = 2.0) -> bool:
+def is_healthy(
+    url: str, *, model: str | None = None, timeout: float = 2.0, api_key: str = ""
+) -> bool:
     """True when `url` answers `/health` and, if given, lists `model` in `/v1/models`."""
     try:
         if httpx.get(f"{url}/health", timeout=timeout).status_code != 200:
             return False
-        return model is None or model in served_models(url, timeout=timeout)
+        return model is None or model in served_models(url, timeout=timeout, api_key=api_key)
     except (httpx.HTTPError, ReplicaError, KeyError, TypeError, ValueError):
         return False
 
@@ -57,11 +59,12 @@ def wait_until_healthy(
     model: str | None = None,
     process: subprocess.Popen[bytes] | None = None,
     log_file: Path | None = None,
+    api_key: str = "",
 ) -> None:
     """Block until the server at `url` is healthy; fail early if `process` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if is_healthy(url, model=model):
+        if is_healthy(url, model=model, api_key=api_key):
             return
         if process is not None and process.poll() is not None:
             raise ServiceError(
@@ -100,6 +103,9 @@ class VllmServer:
     tool_call_parser: str | None = "hermes"
     """vLLM's parser of the model's tool-call format (the bootstrapped model speaks hermes);
     None serves without tool calling."""
+    api_key: str = field(default="", repr=False)
+    """Required of every /v1 call as `Authorization: Bearer` (vLLM's `--api-key`, given
+    through VLLM_API_KEY so that it shows in no process listing); empty: none is."""
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.85
     extra_args: tuple[str, ...] = ()
@@ -115,6 +121,7 @@ class VllmServer:
             root=settings.data_dir.resolve() / "services" / "vllm",
             logs_dir=settings.logs_dir.resolve(),
             tool_call_parser=settings.tool_call_parser or None,
+            api_key=settings.vllm_api_key.get_secret_value(),
         )
 
     @property
@@ -169,7 +176,8 @@ class VllmServer:
 
     def environment(self) -> dict[str, str]:
         """Variables the server needs on top of the caller's environment."""
-        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+        # Set even when empty: a VLLM_API_KEY in the caller's environment is not this server's.
+        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_API_KEY": self.api_key}
         if self.device == "cpu":
             # Without it the CPU backend sizes its KV cache from system memory.
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kv_cache_gib)
@@ -189,14 +197,18 @@ class VllmServer:
         return pid if ours else None
 
     def healthy(self) -> bool:
-        return is_healthy(self.url, model=self.served_model_name)
+        return is_healthy(self.url, model=self.served_model_name, api_key=self.api_key)
 
     def start(self, *, timeout: float = 300.0, wait: bool = True) -> None:
         """Start the server detached (pid file, log file); a no-op if ours already runs."""
         if self.pid() is not None:
             if wait:
                 wait_until_healthy(
-                    self.url, timeout, model=self.served_model_name, log_file=self.log_file
+                    self.url,
+                    timeout,
+                    model=self.served_model_name,
+                    log_file=self.log_file,
+                    api_key=self.api_key,
                 )
             return
         check_model_dir(self.model_dir)
@@ -219,6 +231,7 @@ class VllmServer:
                 model=self.served_model_name,
                 process=self.process,
                 log_file=self.log_file,
+                api_key=self.api_key,
             )
         except ServiceError:
             self.stop()

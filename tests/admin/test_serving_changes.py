@@ -14,13 +14,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import SecretStr
 from sqlalchemy import Engine
 
 from app.config import Settings
 from app.embedded.stack import EmbeddedStack
 from app.models import Role
 from app.serving.checkpoints import publish_checkpoint
-from app.serving.replicas import unload_adapter
+from app.serving.replicas import served_adapters, unload_adapter
 from app.serving.vllm import VllmServer
 from tests.analytics.app_fixtures import bearer, include_routers
 from tests.gateway.conftest import GatewayServer
@@ -107,3 +108,44 @@ def test_promote_and_rollback_reach_every_gateway_within_seconds(
     assert rolled_back.status_code == 200, rolled_back.text
     assert rolled_back.json()["after"]["production"] == "base"
     wait_until_served(gateways, ide, "base")
+
+
+def test_a_promotion_loads_the_checkpoint_into_a_vllm_that_wants_a_key(
+    registry: Engine,
+    app_database: str,
+    keyed_vllm_server: VllmServer,
+    lora_dir: Path,
+    make_key: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    vllm, key = keyed_vllm_server, keyed_vllm_server.api_key
+    checkpoint = publish_checkpoint(
+        registry,
+        lora_dir,
+        parent="base",
+        replicas=[vllm.url],
+        checkpoints_dir=tmp_path / "checkpoints",
+        base_model="tiny-base",
+        api_key=key,
+    )
+    unload_adapter(vllm.url, checkpoint.name, api_key=key)  # as a replica that restarted
+    settings = Settings(
+        data_dir=tmp_path / "gateway",
+        database_url=app_database,
+        vllm_urls=[vllm.url],
+        vllm_api_key=SecretStr(key),
+    )
+    gateway = GatewayServer(settings).start()
+    try:
+        ide, ops = make_key(Role.ide), make_key(Role.ops)
+        promoted = httpx.post(
+            f"{gateway.url}/admin/checkpoints/{checkpoint.name}/promote",
+            headers=bearer(ops),
+            timeout=60,
+        )
+        assert promoted.status_code == 200, promoted.text
+        assert checkpoint.name in served_adapters(vllm.url, api_key=key)
+        wait_until_served([gateway], ide, checkpoint.name)
+    finally:
+        gateway.stop()
+        unload_adapter(vllm.url, checkpoint.name, api_key=key)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from app.config import Settings
 from app.embedded.process import free_port
@@ -82,3 +83,33 @@ def test_no_replica_answering_is_a_503_and_frees_the_request_id(
     ready = client.get("/readyz")
     assert ready.status_code == 200, ready.text
     assert ready.json()["failing"] == [] and ready.json()["degraded"] == ["vllm"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_gateway_sends_the_vllm_api_key_and_never_blames_the_client_for_a_wrong_one(
+    gateway_settings: Settings,
+    registry: Any,
+    keyed_vllm_server: VllmServer,
+    ide_key: str,
+    stack: EmbeddedStack,
+    stream: bool,
+) -> None:
+    keyed = gateway_settings.model_copy(
+        update={
+            "vllm_urls": [keyed_vllm_server.url],
+            "vllm_api_key": SecretStr(keyed_vllm_server.api_key),
+        }
+    )
+    with TestClient(create_app(keyed)) as client:
+        answer = ask(client, ide_key, stream=stream)
+        assert answer.status_code == 200, answer.text
+        assert client.get("/readyz").json()["degraded"] == []
+
+    keyless = keyed.model_copy(update={"vllm_api_key": SecretStr("")})
+    request_id = f"r-{uuid.uuid4().hex}"
+    with TestClient(create_app(keyless)) as client:
+        refused = ask(client, ide_key, stream=stream, request_id=request_id)
+    # The client's own key was good: a 502 of the gateway's, not vLLM's 401.
+    assert refused.status_code == 502, refused.text
+    assert refused.json()["error"]["message"] == "The model server refused the gateway."
+    assert redis.Redis.from_url(stack.redis.url).get(request_key(request_id)) is None

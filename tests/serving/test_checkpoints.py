@@ -19,7 +19,7 @@ from app.serving.checkpoints import (
     reconcile,
     retire_checkpoint,
 )
-from app.serving.replicas import load_adapter, served_adapters
+from app.serving.replicas import load_adapter, served_adapters, unload_adapter
 from app.serving.vllm import VllmServer
 
 PROMPT = "def f(x):"
@@ -138,3 +138,33 @@ def test_reconcile_restores_exactly_the_live_checkpoints_after_a_restart(
     assert set(served_adapters(vllm_server.url)) == live
     assert report.unloaded[vllm_server.url] == ["ckpt-stray"]
     assert report.errors == []
+
+
+def test_publishing_reconciling_and_retiring_send_the_vllm_api_key(
+    clean_registry: Engine, keyed_vllm_server: VllmServer, lora_dir: Path, tmp_path: Path
+) -> None:
+    server, key = keyed_vllm_server, keyed_vllm_server.api_key
+    with pytest.raises(PublishError, match="rtrl sent no API key"):
+        publish(clean_registry, server, lora_dir, tmp_path / "keyless")
+
+    published = publish_checkpoint(
+        clean_registry,
+        lora_dir,
+        parent="base",
+        replicas=[server.url],
+        checkpoints_dir=tmp_path / "store",
+        base_model="tiny",
+        api_key=key,
+    )
+    assert published.name in served_adapters(server.url, api_key=key)
+
+    # As after a restart: the live checkpoint missing, a stray one loaded.
+    unload_adapter(server.url, published.name, api_key=key)
+    load_adapter(server.url, "ckpt-stray-keyed", lora_dir, api_key=key)
+    report = reconcile(clean_registry, [server.url], api_key=key)
+    assert report.errors == []
+    assert report.loaded[server.url] == [published.name]
+    assert report.unloaded[server.url] == ["ckpt-stray-keyed"]
+
+    assert retire_checkpoint(clean_registry, published.name, [server.url], api_key=key) == []
+    assert served_adapters(server.url, api_key=key) == {}

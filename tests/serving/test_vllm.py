@@ -16,8 +16,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.embedded.process import ServiceError, free_port
-from app.serving.replicas import served_models
-from app.serving.vllm import VllmServer, wait_until_healthy
+from app.serving.replicas import ReplicaError, served_models
+from app.serving.sampling import sample_completions
+from app.serving.vllm import VllmServer, is_healthy, wait_until_healthy
 
 
 def post(server: VllmServer, path: str, body: Mapping[str, object]) -> httpx.Response:
@@ -194,3 +195,28 @@ def test_waiting_fails_early_with_the_log_tail_when_the_server_exits(tmp_path: P
 def test_waiting_gives_up_after_the_timeout() -> None:
     with pytest.raises(ServiceError, match=r"not healthy .* within 1 s"):
         wait_until_healthy(f"http://127.0.0.1:{free_port()}", 1)
+
+
+def test_a_server_started_with_an_api_key_serves_only_the_calls_that_carry_it(
+    keyed_vllm_server: VllmServer,
+) -> None:
+    server, key = keyed_vllm_server, keyed_vllm_server.api_key
+    wrong = {"Authorization": "Bearer not-the-key"}
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{server.url}/v1/models", headers=wrong, timeout=10).status_code == 401
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # compose's check
+
+    # rtrl's own calls send it: the health check that waited for the start, listing, sampling.
+    assert server.healthy()
+    assert "base" in served_models(server.url, api_key=key)
+    (served,) = sample_completions(server.url, "base", [[1, 2, 3]], max_tokens=4, api_key=key)
+    assert served.completion_token_ids
+    # Without it, a refusal that says what is missing.
+    assert not is_healthy(server.url, model="base")
+    with pytest.raises(ReplicaError, match="rtrl sent no API key"):
+        served_models(server.url)
+    with pytest.raises(ReplicaError, match="rtrl sent no API key"):
+        sample_completions(server.url, "base", [[1, 2, 3]], max_tokens=4)
+    # Given through the environment: neither the process listing nor the log shows it.
+    assert key not in " ".join(server.command())
+    assert key not in server.log_file.read_text()

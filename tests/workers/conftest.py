@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -10,12 +11,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import Connection, Engine, select
 
+from app.config import Settings, get_settings
 from app.embedded.stack import EmbeddedStack
 from app.events import (
     CompletionEvent,
+    DeadLetter,
     EditAccepted,
     EditRejected,
     EditSurvival,
@@ -26,6 +29,7 @@ from app.events import (
 from app.signals.rewards import Feedback
 from tests.conftest import fresh_worker_config
 from workers.config import WorkerConfig
+from workers.consumer import run_worker
 from workers.repository import make_worker_engine, rewards, samples
 
 
@@ -193,3 +197,49 @@ def wait_for() -> Callable[[Callable[[], bool], float, str], None]:
             time.sleep(0.1)
 
     return wait
+
+
+@pytest.fixture
+def worker_thread(worker_config: WorkerConfig) -> Iterator[Any]:
+    """Starts `run_worker` in a thread (on the session's settings and the test's config, or
+    those given) and returns it; stops and joins it after the test."""
+    stop = threading.Event()
+    threads = []
+
+    def start(
+        settings: Settings | None = None, config: WorkerConfig | None = None
+    ) -> threading.Thread:
+        thread = threading.Thread(
+            target=run_worker,
+            args=(settings or get_settings(),),
+            kwargs={"stop_event": stop, "config": config or worker_config},
+            daemon=True,
+        )
+        thread.start()
+        threads.append(thread)
+        return thread
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
+
+
+def read_dead_letters(kafka_url: str, topic: str, count: int) -> list[DeadLetter]:
+    """The first `count` dead letters on `topic` (fewer if they do not come within 10 s)."""
+    dlq = KafkaConsumer(
+        topic,
+        bootstrap_servers=kafka_url,
+        auto_offset_reset="earliest",
+        consumer_timeout_ms=10_000,
+        max_partition_fetch_bytes=16 * 1024 * 1024,
+    )
+    letters = []
+    try:
+        for message in dlq:
+            letters.append(DeadLetter.model_validate_json(message.value))
+            if len(letters) == count:
+                break
+    finally:
+        dlq.close()
+    return letters

@@ -5,26 +5,25 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import orjson
 import pytest
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, func, select
 
-from app.config import Settings, get_settings
+from app.config import get_settings
 from app.db import PROJECT_ROOT
 from app.embedded.kafka import EmbeddedKafka
 from app.embedded.process import free_port
-from app.events import CompletionEvent, DeadLetter, encode
+from app.events import CompletionEvent, encode
 from app.signals.rewards import distil_components
-from tests.workers.conftest import publisher
+from tests.workers.conftest import publisher, read_dead_letters
 from workers.config import WorkerConfig
-from workers.consumer import decode_batch, run_worker
+from workers.consumer import decode_batch
 from workers.repository import feedback_events
 
 
@@ -159,30 +158,6 @@ def assert_exactly_once(worker_engine: Engine, read_rewards: Any, prefix: str, p
     assert stored == len(plan.feedback)
 
 
-@pytest.fixture
-def worker_thread(worker_config: WorkerConfig) -> Iterator[Any]:
-    """Starts `run_worker` in a thread (on the session's settings, or those given) and
-    returns it; stops and joins it after the test."""
-    stop = threading.Event()
-    threads = []
-
-    def start(settings: Settings | None = None) -> threading.Thread:
-        thread = threading.Thread(
-            target=run_worker,
-            args=(settings or get_settings(),),
-            kwargs={"stop_event": stop, "config": worker_config},
-            daemon=True,
-        )
-        thread.start()
-        threads.append(thread)
-        return thread
-
-    yield start
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=30)
-
-
 def test_duplicated_out_of_order_events_yield_one_reward_each(
     events: Any,
     worker_config: WorkerConfig,
@@ -263,18 +238,7 @@ def test_poison_messages_go_to_the_dead_letter_topic_and_the_stream_goes_on(
 
     wait_for(lambda: len(read_rewards(events.prefix)) == 2, 60, "the good messages")
     assert read_rewards(events.prefix)[events.request(2)].components["accepted"] is True
-    dlq = KafkaConsumer(
-        worker_config.dlq_topic,
-        bootstrap_servers=stack.kafka.url,
-        auto_offset_reset="earliest",
-        consumer_timeout_ms=10_000,
-    )
-    letters = []
-    for message in dlq:
-        letters.append(DeadLetter.model_validate_json(message.value))
-        if len(letters) == len(poison):
-            break
-    dlq.close()
+    letters = read_dead_letters(stack.kafka.url, worker_config.dlq_topic, len(poison))
     assert sorted((d.source_topic, d.payload) for d in letters) == sorted(
         (topic, value.decode()) for topic, value in poison
     )

@@ -1,8 +1,7 @@
 """Messages a worker cannot process go aside with their reason; none stops the group.
 
 Through the session's Kafka and Postgres: a message whose storing overruns the worker's
-time budget, a dead letter too large for the broker, a message that makes the worker's own
-code raise.
+time budget, a dead letter too large for the broker.
 """
 
 from __future__ import annotations

@@ -31,6 +31,12 @@ from app.serving.checkpoints import (
 from app.serving.replicas import ReplicaError
 from app.serving.vllm import VllmServer
 from app.simulator.command import simulate_command
+from app.topics import (
+    TopicDurabilityError,
+    check_topic_durability,
+    check_topics_if_reachable,
+    configured,
+)
 from trainer.config import load_train_settings, train_config_from_env, with_explicit_settings
 from trainer.lock import CycleBusy
 
@@ -89,14 +95,27 @@ def services_status() -> None:
 def migrate() -> None:
     """Create the Kafka topics and apply database migrations against the configured URLs."""
     settings = get_settings()
-    ensure_topics(
+    created = ensure_topics(
         settings.kafka_bootstrap_servers,
         DEFAULT_TOPICS,
         topic_configs={"max.message.bytes": str(settings.kafka_max_message_bytes)},
         security=kafka_security(settings),
+        durability=configured(settings),
     )
+    # Topics created before (or by hand) are held to the same settings.
+    check_topic_durability(settings, DEFAULT_TOPICS)
     upgrade_schema(settings.database_url)
-    typer.echo("topics present and schema at head")
+    if created.replication_factor < settings.kafka_replication_factor:
+        typer.echo(
+            "warning: a single-broker Kafka: topics are unreplicated"
+            f" (RTRL_KAFKA_REPLICATION_FACTOR={settings.kafka_replication_factor} needs"
+            f" {settings.kafka_replication_factor} brokers)",
+            err=True,
+        )
+    typer.echo(
+        f"topics present ({created.replication_factor} replica(s) a partition,"
+        f" min.insync.replicas={created.min_insync_replicas}) and schema at head"
+    )
 
 
 @model_cli.command("bootstrap")
@@ -310,6 +329,7 @@ def gateway(
 
     settings = get_settings()
     updates = {k: v for k, v in {"gateway_host": host, "gateway_port": port}.items() if v}
+    check_topics_if_reachable(settings, DEFAULT_TOPICS)
     run_gateway(settings.model_copy(update=updates), workers=workers)
 
 
@@ -702,6 +722,7 @@ def main() -> None:
         ReplicaError,
         CycleBusy,
         BaseModelError,
+        TopicDurabilityError,
     ) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(1)

@@ -160,6 +160,16 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(default=1_000_000, ge=1024)
     """Largest request body the gateway accepts."""
 
+    kafka_replication_factor: int = Field(default=3, ge=1)
+    """Replicas of each partition of rtrl's topics (`rtrl migrate` creates them so; the
+    gateway and workers refuse to start on less). A single-broker cluster (the embedded one)
+    holds one replica and is let through with a warning."""
+
+    kafka_min_insync_replicas: int = Field(default=2, ge=1)
+    """Replicas that must have an event before the broker acknowledges it (topic config
+    `min.insync.replicas`; rtrl's producers send with `acks=all`). Below the replication
+    factor, so that one broker lost stops no write."""
+
     kafka_max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024 * 1024)
     """Largest event the gateway sends (its producer's `max_request_size`). The default fits
     the completion event of the largest body `max_request_bytes` admits (its messages, its
@@ -204,6 +214,15 @@ class Settings(BaseSettings):
     def history_archive_url(self) -> str:
         """The archive's URL, the local default filled in."""
         return self.archive_url or str(self.data_dir / "archive")
+
+    @model_validator(mode="after")
+    def _insync_within_replicas(self) -> Settings:
+        if self.kafka_min_insync_replicas > self.kafka_replication_factor:
+            raise ValueError(
+                f"RTRL_KAFKA_MIN_INSYNC_REPLICAS ({self.kafka_min_insync_replicas}) cannot"
+                f" exceed RTRL_KAFKA_REPLICATION_FACTOR ({self.kafka_replication_factor})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _embedded_defaults(self) -> Settings:

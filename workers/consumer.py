@@ -34,6 +34,7 @@ from app.events import DeadLetter, decode_completion, decode_feedback, encode
 from app.heartbeat import Heartbeat
 from app.kafka_clients import kafka_client, kafka_security
 from app.signals.rewards import reward_weights
+from app.topics import check_topic_durability
 from workers.config import WorkerConfig
 from workers.metrics import (
     BATCH_SECONDS,
@@ -337,6 +338,9 @@ def connect(
         consumer = make_consumer(settings, config)
         try:
             check_copartitioned(consumer, config)
+            check_topic_durability(
+                settings, (config.completions_topic, config.feedback_topic, config.dlq_topic)
+            )
             return consumer, make_producer(settings)
         except BaseException:
             consumer.close(autocommit=False)

@@ -23,6 +23,7 @@ from app.embedded.process import (
 )
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC, FEEDBACK_TOPIC
 from app.kafka_clients import kafka_client
+from app.topics import UNREPLICATED, Durability
 
 HOST = "127.0.0.1"
 
@@ -37,9 +38,11 @@ def ensure_topics(
     timeout: float = 30,
     topic_configs: dict[str, str] | None = None,
     security: Mapping[str, Any] | None = None,
-) -> None:
-    """Create any missing topic (with `topic_configs`, e.g. `max.message.bytes`); a broker
-    restart with memory storage forgets them all."""
+    durability: Durability = UNREPLICATED,
+) -> Durability:
+    """Create any missing topic (with `topic_configs`, e.g. `max.message.bytes`) as durable
+    as `durability` asks, or unreplicated on a single broker; returns the durability they
+    were created with. A broker restart with memory storage forgets them all."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -56,13 +59,14 @@ def ensure_topics(
                 raise ServiceError(f"kafka: cannot reach {bootstrap_servers}: {exc}") from exc
             time.sleep(0.2)
     try:
+        durability = durability.on(len(admin.describe_cluster()["brokers"]))
         existing = set(admin.list_topics())
         missing = [
             NewTopic(
                 name=name,
                 num_partitions=partitions,
-                replication_factor=1,
-                topic_configs=dict(topic_configs or {}),
+                replication_factor=durability.replication_factor,
+                topic_configs=dict(topic_configs or {}) | durability.topic_configs(),
             )
             for name, partitions in topics.items()
             if name not in existing
@@ -72,6 +76,7 @@ def ensure_topics(
                 admin.create_topics(missing)
     finally:
         admin.close()
+    return durability
 
 
 @dataclass

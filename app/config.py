@@ -157,6 +157,11 @@ class Settings(BaseSettings):
     429 (`too_many_requests_in_flight`) until one ends. With N gateway processes behind a
     load balancer a key may hold up to N times this on the replicas."""
 
+    export_streams: int = Field(default=2, ge=1, le=64)
+    """Streamed CSV exports one gateway process runs at once, each on a connection of a pool
+    of their own (the serving path's pool is never lent to a download); one more is a 429
+    (`too_many_exports`)."""
+
     max_request_bytes: int = Field(default=1_000_000, ge=1024)
     """Largest request body the gateway accepts."""
 

@@ -30,6 +30,7 @@ from starlette.responses import Response
 
 from app.admin.router import router as admin_router
 from app.analytics.dashboard import router as dashboard_router
+from app.analytics.exports import ExportStreams
 from app.analytics.router import router as analytics_router
 from app.auth.service import Authenticator, RateLimiter
 from app.auth.sessions import BrowserSessions
@@ -71,6 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = make_async_engine(settings.database_url, pool_size=10, max_overflow=10)
         session_maker = async_sessionmaker(engine, expire_on_commit=False)
+        exports = ExportStreams(settings.database_url, settings.export_streams)
         redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
         sink = EventSink.claim(
             settings.kafka_bootstrap_servers,
@@ -91,6 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await routing.start()
             app.state.settings = settings
             app.state.session_maker = session_maker
+            app.state.exports = exports
             app.state.redis = redis
             app.state.sink = sink
             app.state.authenticator = Authenticator(
@@ -115,6 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # Whatever Kafka did not take by now stays in the spool for the next start.
             await anyio.to_thread.run_sync(sink.close, shutdown.remaining_s())
             await redis.aclose()
+            await exports.aclose()
             await engine.dispose()
 
     app = FastAPI(

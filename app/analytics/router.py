@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.abtest.repository import Bucket
 from app.analytics import service
 from app.analytics.dependencies import analyst, read_only_session, window
+from app.analytics.exports import ExportResponse, ExportStreams
 from app.analytics.schemas import (
     ARM_NAME,
     CHECKPOINT_NAME,
@@ -71,16 +72,25 @@ async def experiment_results_csv(
 async def experiment_samples_csv(
     request: Request,
     experiment_id: ExperimentId,
-    session: Session,
     time_window: TimeWindow,
     arm: Annotated[str | None, Query(pattern=ARM_NAME)] = None,
 ) -> StreamingResponse:
-    """One row per sample of the experiment (metrics only), streamed."""
-    if not await service.experiment_briefs(session, experiment_id):
-        raise _not_found(experiment_id)
-    return StreamingResponse(
-        service.sample_rows_csv(request.app.state.session_maker, experiment_id, arm, time_window),
-        media_type="text/csv",
+    """One row per sample of the experiment (metrics only), streamed; a gateway streams at
+    most `RTRL_EXPORT_STREAMS` at once (429 `too_many_exports` beyond), on a pool of their
+    own."""
+    exports: ExportStreams = request.app.state.exports
+    release = exports.take()
+    try:
+        async with exports.session_maker() as session:
+            await service.read_only(session)
+            if not await service.experiment_briefs(session, experiment_id):
+                raise _not_found(experiment_id)
+    except BaseException:
+        release()
+        raise
+    return ExportResponse(
+        service.sample_rows_csv(exports.session_maker, experiment_id, arm, time_window),
+        release,
         headers=_attachment(f"experiment-{experiment_id}-samples.csv"),
     )
 

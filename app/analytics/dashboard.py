@@ -23,10 +23,29 @@ from app.config import Settings
 from app.http.dependencies import principal_for
 from app.http.errors import ApiError
 
-router = APIRouter(tags=["dashboard"], include_in_schema=False)
+router = APIRouter(tags=["dashboard"])
 
 STATIC_DIR = Path(__file__).parent / "static"
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+
+# What /openapi.json says of these routes: HTML pages, a form, redirects.
+_PAGE = {"content": {"text/html": {"schema": {"type": "string"}}}}
+_SIGN_IN_PAGE = _PAGE | {"description": "The sign-in form, with what went wrong"}
+_REDIRECT = {"description": "To /dashboard (signed in: with the session cookie)"}
+_SIGN_IN_FORM = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/x-www-form-urlencoded": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"key": {"type": "string", "description": "An analyst key"}},
+                    "required": ["key"],
+                }
+            }
+        },
+    }
+}
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -38,7 +57,11 @@ SECURITY_HEADERS = {
 }
 
 
-@router.get("/dashboard", response_class=HTMLResponse)
+@router.get(
+    "/dashboard",
+    response_class=HTMLResponse,
+    responses={400: _SIGN_IN_PAGE, 401: _SIGN_IN_PAGE},
+)
 async def dashboard(request: Request) -> Response:
     """The dashboard for an analyst; the sign-in form for anyone else."""
     if "key" in request.query_params:
@@ -53,7 +76,13 @@ async def dashboard(request: Request) -> Response:
     return HTMLResponse((STATIC_DIR / "dashboard.html").read_text(), headers=SECURITY_HEADERS)
 
 
-@router.post("/dashboard/login")
+@router.post(
+    "/dashboard/login",
+    response_class=RedirectResponse,
+    status_code=303,
+    responses={303: _REDIRECT, 400: _SIGN_IN_PAGE, 401: _SIGN_IN_PAGE, 403: _SIGN_IN_PAGE},
+    openapi_extra=_SIGN_IN_FORM,
+)
 async def login(request: Request) -> Response:
     """Sign in with the key from the form."""
     try:
@@ -63,7 +92,12 @@ async def login(request: Request) -> Response:
     return await _sign_in(request, (form.get("key") or [""])[0].strip())
 
 
-@router.post("/dashboard/logout")
+@router.post(
+    "/dashboard/logout",
+    response_class=RedirectResponse,
+    status_code=303,
+    responses={303: _REDIRECT},
+)
 async def logout(request: Request) -> Response:
     sessions: BrowserSessions = request.app.state.browser_sessions
     session_id = request.cookies.get(SESSION_COOKIE)
@@ -74,7 +108,13 @@ async def logout(request: Request) -> Response:
     return response
 
 
-@router.get("/dashboard/static/{asset}")
+@router.get(
+    "/dashboard/static/{asset}",
+    response_class=FileResponse,
+    responses={
+        200: {"content": {media: {"schema": {"type": "string"}} for media in ASSETS.values()}}
+    },
+)
 async def static_asset(asset: str) -> Response:
     """The dashboard's script and styles (a fixed list: nothing else on disk is reachable)."""
     if asset not in ASSETS:

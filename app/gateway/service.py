@@ -37,7 +37,7 @@ from app.gateway.toolcalls import (
     asks_clarifying_question,
     proposes_edit,
 )
-from app.gateway.trajectories import Placement, Trajectories, Turn, token_digest
+from app.gateway.trajectories import Placement, Trajectories, Turn, run_owner, token_digest
 from app.gateway.upstream import (
     BROKEN,
     Upstream,
@@ -141,6 +141,11 @@ class ChatCall:
     edit_requested_explicitly: bool = False
     """X-Rtrl-Edit-Request was sent: it wins over what the run was asked."""
     link: RunLink = field(default_factory=lambda: RunLink())
+
+    @property
+    def run_owner(self) -> str:
+        """Whose runs this request may continue (`run_owner`)."""
+        return run_owner(self.api_key_id, self.user_hash)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -302,7 +307,9 @@ class Gateway:
         # the critical path.
         work = asyncio.ensure_future(model_call)
         call.link.lookup = asyncio.ensure_future(
-            self.trajectories.place(call.request_id, call.request.messages, call.parent_request_id)
+            self.trajectories.place(
+                call.run_owner, call.request_id, call.request.messages, call.parent_request_id
+            )
         )
         reservation = asyncio.ensure_future(
             self.reserve_request_id(
@@ -615,7 +622,7 @@ class Gateway:
                 "content": record.text,
                 "tool_calls": list(record.tool_calls.values()),
             }
-            await self.trajectories.remember(turn, call.request.messages, answer)
+            await self.trajectories.remember(call.run_owner, turn, call.request.messages, answer)
 
         task = asyncio.ensure_future(remember())
         self._background.add(task)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,10 +125,18 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
     return {"role": message.get("role"), "text": _text(message.get("content")), "calls": calls}
 
 
-def history_digests(messages: Sequence[dict[str, Any]]) -> list[str]:
-    """The digest of every prefix of `messages` (one per message, the whole history last),
-    chained so that each costs one message's hashing: linear in the history, however long."""
-    digests, running = [], b""
+def run_owner(api_key_id: uuid.UUID, user_hash: str) -> str:
+    """Whose runs these are: a run is continued only by the key and the user it was served
+    to, so that another's identical history (a shared system prompt, a stock first turn) or a
+    parent request id named by another key never joins it."""
+    return hashlib.blake2b(f"{api_key_id}/{user_hash}".encode(), digest_size=12).hexdigest()
+
+
+def history_digests(messages: Sequence[dict[str, Any]], owner: str = "") -> list[str]:
+    """The digest of every prefix of `messages` (one per message, the whole history last) as
+    `owner` sent it, chained so that each costs one message's hashing: linear in the
+    history, however long."""
+    digests, running = [], owner.encode()
     for message in messages:
         encoded = orjson.dumps(canonical(message), option=orjson.OPT_SORT_KEYS)
         running = hashlib.blake2b(running + encoded, digest_size=20).digest()
@@ -135,9 +144,9 @@ def history_digests(messages: Sequence[dict[str, Any]]) -> list[str]:
     return digests
 
 
-def history_digest(messages: Sequence[dict[str, Any]]) -> str:
+def history_digest(messages: Sequence[dict[str, Any]], owner: str = "") -> str:
     """The digest of the whole history (see `history_digests`)."""
-    digests = history_digests(messages)
+    digests = history_digests(messages, owner)
     return digests[-1] if digests else ""
 
 
@@ -145,8 +154,8 @@ def _history_key(digest: str) -> str:
     return f"rtrl:turn:h:{digest}"
 
 
-def _request_key(request_id: str) -> str:
-    return f"rtrl:turn:r:{request_id}"
+def _request_key(owner: str, request_id: str) -> str:
+    return f"rtrl:turn:r:{owner}:{request_id}"
 
 
 class Trajectories:
@@ -156,11 +165,16 @@ class Trajectories:
         self.redis = redis
 
     async def place(
-        self, request_id: str, messages: Sequence[dict[str, Any]], parent_request_id: str | None
+        self,
+        owner: str,
+        request_id: str,
+        messages: Sequence[dict[str, Any]],
+        parent_request_id: str | None,
     ) -> Placement:
-        """The run a new request continues (an explicit parent wins), or a new one."""
+        """The run of `owner` (`run_owner`) a new request continues (an explicit parent
+        wins), or a new one."""
         try:
-            parent = await self._parent(messages, parent_request_id)
+            parent = await self._parent(owner, messages, parent_request_id)
         except RedisError:
             log.warning("request %s not linked to its run: Redis unavailable", request_id)
             TRAJECTORY_LINKS.labels("unavailable").inc()
@@ -175,15 +189,15 @@ class Trajectories:
         return Placement(request_id, 0, None)
 
     async def _parent(
-        self, messages: Sequence[dict[str, Any]], parent_request_id: str | None
+        self, owner: str, messages: Sequence[dict[str, Any]], parent_request_id: str | None
     ) -> Turn | None:
         if parent_request_id is not None:
-            raw = await self.redis.get(_request_key(parent_request_id))
+            raw = await self.redis.get(_request_key(owner, parent_request_id))
             return Turn.decode(raw) if raw else None
         cuts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if not cuts:
             return None
-        digests = history_digests(messages[: cuts[-1] + 1])
+        digests = history_digests(messages[: cuts[-1] + 1], owner)
         # Longest first, and only the latest few: a run's parent is its last answer unless the
         # client dropped turns, and a history of thousands of answers must not cost thousands
         # of keys.
@@ -194,14 +208,16 @@ class Trajectories:
         return None
 
     async def remember(
-        self, turn: Turn, messages: Sequence[dict[str, Any]], answer: dict[str, Any]
+        self, owner: str, turn: Turn, messages: Sequence[dict[str, Any]], answer: dict[str, Any]
     ) -> None:
-        """Let the run's next turn find this completion, by history and by request id."""
+        """Let the run's next turn, sent by `owner`, find this completion, by history and by
+        request id."""
         encoded = turn.encode()
+        digest = history_digest([*messages, answer], owner)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(_history_key(history_digest([*messages, answer])), encoded, ex=TURN_TTL_S)
-                pipe.set(_request_key(turn.request_id), encoded, ex=TURN_TTL_S)
+                pipe.set(_history_key(digest), encoded, ex=TURN_TTL_S)
+                pipe.set(_request_key(owner, turn.request_id), encoded, ex=TURN_TTL_S)
                 await pipe.execute()
         except RedisError:
             log.warning("turn %s not remembered: Redis unavailable", turn.request_id)

@@ -10,10 +10,15 @@ import openai
 import pytest
 from openai import OpenAI
 from redis.asyncio import Redis
+from sqlalchemy import Engine, select
 
+from app.auth.service import hash_secret
+from app.db import session_scope
 from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
-from app.gateway.trajectories import Trajectories
+from app.gateway.assignment import hash_user
+from app.gateway.trajectories import Trajectories, run_owner
+from app.models import ApiKey
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -103,15 +108,24 @@ def ask(
     return request_id, message
 
 
-def placed(stack: EmbeddedStack, messages: list[dict[str, Any]]) -> tuple[str, int]:
-    """Where the gateway would place a request with these messages, asked right now."""
+def placed(stack: EmbeddedStack, owner: str, messages: list[dict[str, Any]]) -> tuple[str, int]:
+    """Where the gateway would place a request of `owner` with these messages, asked now."""
 
     async def place() -> tuple[str, int]:
         async with Redis(port=stack.redis.port) as redis:
-            placement = await Trajectories(redis).place(new_id("probe"), messages, None)
+            placement = await Trajectories(redis).place(owner, new_id("probe"), messages, None)
         return placement.trajectory_id, placement.turn_index
 
     return asyncio.run(place())
+
+
+def owner_of(server: Any, registry: Engine, key: str) -> str:
+    """Whose runs the requests of `key` continue (it sends no X-User-Id: the user is the key)."""
+    with session_scope(registry) as session:
+        key_id = session.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_secret(key)))
+    assert key_id is not None
+    secret = server.settings.user_hash_secret.get_secret_value()
+    return run_owner(key_id, hash_user(secret, str(key_id)))
 
 
 def results_of(message: dict[str, Any], result: str) -> list[dict[str, Any]]:
@@ -134,7 +148,12 @@ def logged(kafka: Any, since: dict[int, int], *request_ids: str) -> dict[str, di
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
-    gateway_server: Any, ide_key: str, kafka: Any, stack: EmbeddedStack, stream: bool
+    gateway_server: Any,
+    ide_key: str,
+    kafka: Any,
+    stack: EmbeddedStack,
+    registry: Engine,
+    stream: bool,
 ) -> None:
     client = agent(gateway_server, ide_key, new_id("s"))
     since = kafka.end_offsets(COMPLETIONS_TOPIC)
@@ -151,7 +170,8 @@ def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
     history = [*TASK, read, *results_of(read, "def f(x):\n    return x + 2\n")]
     # The turn is findable the moment the agent has its answer: a next turn sent at once
     # continues the run rather than starting a new one.
-    assert placed(stack, history) == (first_id, 1)
+    owner = owner_of(gateway_server, registry, ide_key)
+    assert placed(stack, owner, history) == (first_id, 1)
     second_id, edit = ask(
         client,
         history,
@@ -160,7 +180,7 @@ def test_a_three_turn_agent_run_is_served_and_linked_turn_by_turn(
     )
     assert edit["tool_calls"][0]["function"]["name"] == "edit_file"
     history = [*history, edit, *results_of(edit, "edited a.py")]
-    assert placed(stack, history) == (first_id, 2)
+    assert placed(stack, owner, history) == (first_id, 2)
     third_id, _ = ask(client, history, stream)  # tool_choice left to its default: auto
 
     events = logged(kafka, since, first_id, second_id, third_id)

@@ -1,9 +1,10 @@
 """Run lookup against the real Redis: a long history costs linear hashing and a bounded
-number of keys, and still finds its parent."""
+number of keys, and still finds its parent; a run is continued only by whom it was served."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import pytest
@@ -11,7 +12,9 @@ from redis.asyncio import Redis
 
 from app.embedded.stack import EmbeddedStack
 from app.gateway import trajectories
-from app.gateway.trajectories import MAX_PARENT_LOOKUPS, Trajectories, Turn
+from app.gateway.trajectories import MAX_PARENT_LOOKUPS, Trajectories, Turn, run_owner
+
+OWNER = run_owner(uuid.uuid4(), "user-hash")
 
 
 def long_history(answers: int) -> list[dict[str, Any]]:
@@ -49,11 +52,11 @@ def test_a_two_thousand_message_history_is_hashed_once_and_looks_up_few_keys(
                 return await mget(keys)
 
             runs = Trajectories(redis)
-            await runs.remember(parent, history[:-1], history[-1])
+            await runs.remember(OWNER, parent, history[:-1], history[-1])
             monkeypatch.setattr(redis, "mget", counted_mget)
             canonicalized.clear()
             return await runs.place(
-                "req-next", [*history, {"role": "user", "content": "go on"}], None
+                OWNER, "req-next", [*history, {"role": "user", "content": "go on"}], None
             )
 
     placement = asyncio.run(scenario())
@@ -72,9 +75,51 @@ def test_a_parent_a_few_answers_back_is_still_found(stack: EmbeddedStack) -> Non
     async def scenario() -> Any:
         async with Redis(port=stack.redis.port) as redis:
             runs = Trajectories(redis)
-            await runs.remember(parent, history[:5], history[5])
+            await runs.remember(OWNER, parent, history[:5], history[5])
             # The client dropped nothing but answered twice more without the gateway.
-            return await runs.place("req-new", [*history, {"role": "user", "content": "x"}], None)
+            return await runs.place(
+                OWNER, "req-new", [*history, {"role": "user", "content": "x"}], None
+            )
 
     placement = asyncio.run(scenario())
     assert placement.parent == parent and placement.turn_index == 3
+
+
+def test_another_key_or_user_with_the_same_history_starts_a_run_of_its_own(
+    stack: EmbeddedStack,
+) -> None:
+    # A stock first turn: two developers send the same question and get the same answer.
+    history = [
+        {"role": "system", "content": "You are a coding assistant."},
+        {"role": "user", "content": "Add type hints to a.py"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    parent = Turn("req-theirs", "traj-theirs", 0, True, 12, "digest", private=True)
+    key = uuid.uuid4()
+    owner, same_key_other_user, other_key = (
+        run_owner(key, "alice"),
+        run_owner(key, "bob"),
+        run_owner(uuid.uuid4(), "alice"),
+    )
+    follow_up = [*history, {"role": "user", "content": "and tests"}]
+
+    async def scenario() -> list[Any]:
+        async with Redis(port=stack.redis.port) as redis:
+            runs = Trajectories(redis)
+            await runs.remember(owner, parent, history[:-1], history[-1])
+            return [
+                await runs.place(owner, "req-1", follow_up, None),
+                await runs.place(same_key_other_user, "req-2", follow_up, None),
+                await runs.place(other_key, "req-3", follow_up, None),
+                # Naming their request id as the parent does not join their run either.
+                await runs.place(other_key, "req-4", [follow_up[1]], "req-theirs"),
+                await runs.place(owner, "req-5", [follow_up[1]], "req-theirs"),
+            ]
+
+    mine, bobs, others, named_by_other, named_by_owner = asyncio.run(scenario())
+    assert mine.parent == parent and mine.trajectory_id == "traj-theirs"
+    assert named_by_owner.parent == parent
+    for placement, request_id in ((bobs, "req-2"), (others, "req-3"), (named_by_other, "req-4")):
+        # A run of its own, and not private because theirs was.
+        assert placement.parent is None and placement.trajectory_id == request_id
+        assert not placement.private_run

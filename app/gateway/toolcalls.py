@@ -34,7 +34,9 @@ class ToolCallCheck:
     calls: int
     malformed: int
     edits: int
-    """Calls whose tool name says it writes to files."""
+    """Well-formed calls whose tool name says it writes to files. A malformed one is not an
+    edit: no client can run it, so none will report a verdict on it, and a reward that waited
+    for one would never come (the call would escape its penalty)."""
 
 
 class ToolSchemas:
@@ -54,10 +56,10 @@ class ToolSchemas:
         for call in tool_calls:
             function = call.get("function") or {}
             name = function.get("name")
-            if is_edit_tool(name):
-                edits += 1
             if not self._valid(name, function.get("arguments")):
                 malformed += 1
+            elif is_edit_tool(name):
+                edits += 1
         return ToolCallCheck(calls=len(tool_calls) + unread, malformed=malformed, edits=edits)
 
     def _valid(self, name: object, arguments: object) -> bool:

@@ -63,6 +63,11 @@ def test_edits_and_clarifying_questions() -> None:
 
     assert proposes_edit("Here:\n```python\nreturn x + 3\n```", nothing)
     assert proposes_edit("", edit_call)
+    # A broken edit call proposes nothing: no IDE can apply it, so none reports a verdict.
+    broken = schemas.check([call("edit_file", '{"path": "a.py"')])
+    assert (broken.malformed, broken.edits) == (1, 0) and not proposes_edit("", broken)
+    mixed = schemas.check([call("edit_file", '{"line": 3}'), call("edit_file", '{"path": "a"}')])
+    assert (mixed.malformed, mixed.edits) == (1, 1) and proposes_edit("", mixed)
     assert not proposes_edit("Use `x + 3`.", search_call)
     assert asks_clarifying_question("Which file do you mean?", nothing)
     assert not asks_clarifying_question("```py\nx?\n```\nLike this?", nothing)

@@ -189,6 +189,20 @@ class Settings(BaseSettings):
     upstream_timeout_s: float = Field(default=120.0, gt=0)
     """How long the gateway waits for a vLLM replica."""
 
+    upstream_max_connections: int = Field(default=512, ge=1)
+    """Connections one gateway process holds open to vLLM at most, all replicas together
+    (its completions in flight, streams included)."""
+
+    upstream_pool_wait_s: float = Field(default=10.0, gt=0)
+    """How long a request waits for one of those connections when all are in use; then it is
+    a 503 (`upstream_busy`, Retry-After), sent to no replica, counted in
+    `rtrl_upstream_busy_total`."""
+
+    max_completion_tokens: int = Field(default=4096, ge=1)
+    """Most tokens one completion may ask for (`max_tokens` or `max_completion_tokens`; more
+    is a 400). The vLLM rtrl starts uses it as the default and ceiling for requests that set
+    neither, which would otherwise run to the model's context length."""
+
     spool_memory_events: int = Field(default=10_000, ge=100)
     """Events held in memory while the disk spool refuses writes; beyond that the oldest go."""
 

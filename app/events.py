@@ -65,6 +65,9 @@ class CompletionEvent(Event):
     top_k: int = Field(default=-1, ge=-1)
     """-1: no top-k truncation."""
     max_tokens: int | None = Field(default=None, ge=1)
+    sampling_constraints: list[str] = Field(default_factory=list, max_length=32)
+    """Parameters of the request that changed the distribution vLLM sampled from in a way the
+    trainer cannot reproduce (`app.gateway.sampling`): the sample is never trained on."""
     prompt_messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None

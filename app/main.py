@@ -85,6 +85,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         upstream = Upstream(
             settings.vllm_urls,
             timeout_s=settings.upstream_timeout_s,
+            max_connections=settings.upstream_max_connections,
+            pool_wait_s=settings.upstream_pool_wait_s,
             api_key=settings.vllm_api_key.get_secret_value(),
         )
         routing = RoutingCache(session_maker, redis)

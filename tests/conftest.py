@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -246,11 +248,20 @@ def vllm_server(
 def keyed_vllm_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
-    """A second real vLLM server, started with an API key as compose starts production's
-    (its `api_key`): every /v1 call without `Authorization: Bearer <key>` is refused."""
+    """A second real vLLM server, started as production's is: with an API key (its
+    `api_key`; every /v1 call without `Authorization: Bearer <key>` is refused), on a model
+    that ships sampling defaults in its `generation_config.json` as published models do
+    (`SHIPPED_SAMPLING`, which vLLM applies to requests that leave them out)."""
     root = tmp_path_factory.mktemp("keyed-vllm")
-    with running_vllm(tiny_model_dir, root, api_key=f"vllm-{uuid.uuid4().hex}") as server:
+    model_dir = shutil.copytree(tiny_model_dir, root / "model")
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps(generation | SHIPPED_SAMPLING))
+    with running_vllm(model_dir, root, api_key=f"vllm-{uuid.uuid4().hex}") as server:
         yield server
+
+
+SHIPPED_SAMPLING = {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.3}
+"""Sampling defaults a published model's generation_config.json sets (Qwen's are alike)."""
 
 
 def fine_tune_toward_malformed_calls(model_dir: Path, adapter_dir: Path) -> None:

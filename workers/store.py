@@ -75,7 +75,8 @@ def sample_row(event: CompletionEvent) -> dict[str, Any]:
         "trainable": not private
         and event.status == "ok"
         and event.completion_token_ids is not None
-        and untruncated_sampling(event),
+        and untruncated_sampling(event)
+        and not event.sampling_constraints,
         "edit_requested": event.edit_requested,
         "proposed_edit": event.proposed_edit,
         "clarifying_question": event.clarifying_question,

@@ -14,6 +14,11 @@ UPSTREAM_ERRORS = Counter(
 UPSTREAM_UNAVAILABLE = Counter(
     "rtrl_upstream_unavailable_total", "Requests answered 503 because no vLLM replica answered."
 )
+UPSTREAM_BUSY = Counter(
+    "rtrl_upstream_busy_total",
+    "Requests answered 503 because every connection to vLLM stayed in use for the whole pool"
+    " wait (RTRL_UPSTREAM_MAX_CONNECTIONS, RTRL_UPSTREAM_POOL_WAIT_S); no replica was tried.",
+)
 COMPLETIONS = Counter(
     "rtrl_completions_total",
     "Completions served, by checkpoint and status.",

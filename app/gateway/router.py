@@ -69,6 +69,7 @@ async def chat_completions(
     request_id = client_request_id or request.state.request_id
     user_id = _id_header(request, "x-user-id", max_length=256) or str(principal.key_id)
     body, chat = await _chat_body(request)
+    _within_completion_cap(chat, settings.max_completion_tokens)
     edit_header = _flag_header(request, "x-rtrl-edit-request")
     call = ChatCall(
         request=chat,
@@ -132,6 +133,21 @@ async def _chat_body(request: Request) -> tuple[dict[str, Any], ChatRequest]:
         raise ApiError(
             400, f"Invalid {param or 'body'}: {error['msg']}", code="invalid_value", param=param
         ) from None
+
+
+def _within_completion_cap(chat: ChatRequest, cap: int) -> None:
+    """400 when the request asks for more tokens than one completion may have; one that
+    names no limit is held to it by the vLLM rtrl starts (its default max_tokens)."""
+    for param in ("max_completion_tokens", "max_tokens"):
+        asked = getattr(chat, param)
+        if asked is not None and asked > cap:
+            raise ApiError(
+                400,
+                f"{param} is too large: {asked}. This gateway serves at most {cap} completion "
+                "tokens per request.",
+                code="invalid_value",
+                param=param,
+            )
 
 
 def _required_id_header(request: Request, name: str) -> str:

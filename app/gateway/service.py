@@ -28,8 +28,10 @@ from app.gateway.metrics import (
     COMPLETIONS,
     FALLBACKS,
     TTFT,
+    UPSTREAM_BUSY,
     UPSTREAM_UNAVAILABLE,
 )
+from app.gateway.sampling import sampling_constraints, with_neutral_sampling
 from app.gateway.schemas import ChatRequest
 from app.gateway.sink import EventSink
 from app.gateway.toolcalls import (
@@ -41,6 +43,7 @@ from app.gateway.trajectories import Placement, Trajectories, Turn, run_owner, t
 from app.gateway.upstream import (
     BROKEN,
     Upstream,
+    UpstreamBusy,
     UpstreamReply,
     UpstreamStream,
     UpstreamUnavailable,
@@ -358,8 +361,9 @@ class Gateway:
             log.warning("request id %s not released: Redis unavailable", request_id)
 
     def upstream_body(self, call: ChatCall, checkpoint: str) -> dict[str, Any]:
-        """The client's body, aimed at the checkpoint, asking for token ids and logprobs."""
-        body = dict(call.body)
+        """The client's body, aimed at the checkpoint, asking for token ids and logprobs, with
+        every sampling parameter it leaves out at vLLM's neutral value (what the event logs)."""
+        body = with_neutral_sampling(call.body)
         if vllm_device() == "cpu":
             # vLLM's CPU backend kills its engine on a seeded request (every user then gets
             # 500s until a restart), so a seed is never forwarded to it.
@@ -404,6 +408,8 @@ class Gateway:
                 )
         except UpstreamUnavailable as exc:
             raise self._unavailable(exc) from exc
+        except UpstreamBusy as exc:
+            raise self._busy(exc) from exc
         except BROKEN as exc:
             self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
             raise ApiError(502, "The model server failed mid-request.", type="api_error") from exc
@@ -444,6 +450,8 @@ class Gateway:
                 self._refused(call, assignment, response.status, await response.read())
         except UpstreamUnavailable as exc:
             raise self._unavailable(exc) from exc
+        except UpstreamBusy as exc:
+            raise self._busy(exc) from exc
         except BROKEN as exc:
             self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
             raise ApiError(502, "The model server failed mid-request.", type="api_error") from exc
@@ -544,6 +552,17 @@ class Gateway:
             f"The model is unavailable: {exc}. Retry shortly.",
             type="service_unavailable",
             code="upstream_unavailable",
+            headers={"Retry-After": "1"},
+        )
+
+    def _busy(self, exc: UpstreamBusy) -> Unserved:
+        # Never sent to vLLM: nothing to log, and the request id is freed for the retry.
+        UPSTREAM_BUSY.inc()
+        return Unserved(
+            503,
+            f"The model server is busy: {exc} (RTRL_UPSTREAM_POOL_WAIT_S). Retry shortly.",
+            type="service_unavailable",
+            code="upstream_busy",
             headers={"Retry-After": "1"},
         )
 
@@ -683,6 +702,7 @@ def completion_event(
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=-1 if request.top_k is None or request.top_k == 0 else request.top_k,
         max_tokens=request.max_completion_tokens or request.max_tokens,
+        sampling_constraints=sampling_constraints(call.body),
         prompt_messages=call.request.messages if content else None,
         prompt_token_ids=record.prompt_token_ids if content else None,
         completion_token_ids=tokens if content else None,

@@ -1,4 +1,5 @@
-"""The vLLM replicas behind the gateway: round-robin, failover on connect errors, pooled.
+"""The vLLM replicas behind the gateway: round-robin, failover on connect errors, pooled,
+with a bounded wait for a connection when every one is in use.
 
 aiohttp rather than httpx: on this path httpx spends ~1.7 ms of CPU per call against
 aiohttp's ~0.3 ms (bench/gateway.py), and the gateway's budget is 2 ms in all.
@@ -38,6 +39,10 @@ class UpstreamUnavailable(Exception):
     """No replica accepted the connection."""
 
 
+class UpstreamBusy(Exception):
+    """Every connection of the pool stayed in use for the whole pool wait; no replica was tried."""
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamReply:
     """A whole (non-streaming) answer of one replica."""
@@ -75,7 +80,14 @@ class UpstreamStream:
 
 
 class Upstream:
-    """One connection pool for every vLLM replica; each request starts at the next one."""
+    """One connection pool for every vLLM replica; each request starts at the next one.
+
+    A request holds one of `max_connections` places from before its first connection attempt
+    until its answer is released, and waits at most `pool_wait_s` for one. The places, not
+    aiohttp's own limit, do the waiting: aiohttp bounds its pool wait only by the `connect`
+    timeout, and raises the same `ConnectionTimeoutError` for it as for a replica that does
+    not accept the connection, which must fail over; a full pool is no replica's fault.
+    """
 
     def __init__(
         self,
@@ -83,11 +95,17 @@ class Upstream:
         *,
         timeout_s: float,
         max_connections: int = 512,
+        pool_wait_s: float = 10.0,
         api_key: str = "",
     ):
         if not replicas:
             raise ValueError("at least one vLLM replica URL is needed")
         self.replicas = list(replicas)
+        self.max_connections = max_connections
+        self.pool_wait_s = pool_wait_s
+        # Every use of the session holds a place, so aiohttp's limit (the same number) is
+        # never the one that makes a request wait.
+        self._places = asyncio.Semaphore(max_connections)
         self._next = itertools.count()
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=timeout_s
@@ -112,34 +130,58 @@ class Upstream:
         start = next(self._next) % len(self.replicas)
         return self.replicas[start:] + self.replicas[:start]
 
+    @asynccontextmanager
+    async def _place(self, wait_s: float | None = None) -> AsyncIterator[None]:
+        """One of the pool's places, waited for at most `wait_s` (default `pool_wait_s`);
+        UpstreamBusy after."""
+        if self._places.locked():
+            wait_s = self.pool_wait_s if wait_s is None else wait_s
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._places.acquire()
+            except TimeoutError:
+                raise UpstreamBusy(
+                    f"all {self.max_connections} connections to vLLM stayed in use for {wait_s:g} s"
+                ) from None
+        else:
+            await self._places.acquire()
+        try:
+            yield
+        finally:
+            self._places.release()
+
     async def post(self, path: str, body: dict[str, object]) -> UpstreamReply:
         """POST JSON to the first replica that accepts the connection; read the answer."""
         content = orjson.dumps(body)
-        for replica in self._order():
-            try:
-                async with self._session.post(
-                    f"{replica}{path}", data=content, headers=_JSON
-                ) as response:
-                    return UpstreamReply(replica, response.status, await response.read())
-            except NOT_DELIVERED as exc:
-                self._failed(replica, exc)
+        async with self._place():
+            for replica in self._order():
+                try:
+                    async with self._session.post(
+                        f"{replica}{path}", data=content, headers=_JSON
+                    ) as response:
+                        return UpstreamReply(replica, response.status, await response.read())
+                except NOT_DELIVERED as exc:
+                    self._failed(replica, exc)
         raise UpstreamUnavailable(self._none_answered())
 
     @asynccontextmanager
     async def stream(self, path: str, body: dict[str, object]) -> AsyncIterator[UpstreamStream]:
         """POST JSON and hold the streaming answer open, failing over before the first byte."""
         content = orjson.dumps(body)
-        for replica in self._order():
-            try:
-                response = await self._session.post(f"{replica}{path}", data=content, headers=_JSON)
-            except NOT_DELIVERED as exc:
-                self._failed(replica, exc)
-                continue
-            try:
-                yield UpstreamStream(replica, response)
-            finally:
-                response.release()
-            return
+        async with self._place():
+            for replica in self._order():
+                try:
+                    response = await self._session.post(
+                        f"{replica}{path}", data=content, headers=_JSON
+                    )
+                except NOT_DELIVERED as exc:
+                    self._failed(replica, exc)
+                    continue
+                try:
+                    yield UpstreamStream(replica, response)
+                finally:
+                    response.release()
+                return
         raise UpstreamUnavailable(self._none_answered())
 
     async def served_models(self) -> frozenset[str] | None:
@@ -183,9 +225,14 @@ class Upstream:
         return served
 
     async def _get(self, replica: str, path: str) -> tuple[int, bytes]:
-        async with self._session.get(
-            f"{replica}{path}", timeout=aiohttp.ClientTimeout(total=5.0)
-        ) as response:
+        # A probe does not queue behind completions (a request's model listing would add its
+        # wait to the request's own): with every connection in use it fails at once.
+        async with (
+            self._place(wait_s=0),
+            self._session.get(
+                f"{replica}{path}", timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as response,
+        ):
             return response.status, await response.read()
 
     def failed_midway(self, replica: str, exc: BaseException) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -97,6 +98,9 @@ class VllmServer:
     dtype: str | None = None
     """None: float32 on CPU (logprobs then match a fp32 recomputation), bfloat16 on CUDA."""
     max_model_len: int | None = None
+    max_completion_tokens: int | None = None
+    """The default and ceiling of a request's max_tokens (RTRL_MAX_COMPLETION_TOKENS); None:
+    a request that sets none may run to the model's context length."""
     max_lora_rank: int = 16
     max_loras: int = 4
     max_logprobs: int = 20
@@ -122,6 +126,7 @@ class VllmServer:
             logs_dir=settings.logs_dir.resolve(),
             tool_call_parser=settings.tool_call_parser or None,
             api_key=settings.vllm_api_key.get_secret_value(),
+            max_completion_tokens=settings.max_completion_tokens,
         )
 
     @property
@@ -170,6 +175,11 @@ class VllmServer:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
+        if self.max_completion_tokens is not None:
+            # Applied where a request sets no max_tokens, and as a server-wide ceiling (vLLM's
+            # get_max_tokens takes the least of it, the request's and the context left).
+            generation = {"max_new_tokens": self.max_completion_tokens}
+            args += ["--override-generation-config", json.dumps(generation)]
         if self.device != "cpu":
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return [*args, *self.extra_args]

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from app.config import Settings
 from app.embedded.process import ServiceError, free_port
 from app.serving.replicas import ReplicaError, served_models
 from app.serving.sampling import sample_completions
@@ -220,3 +221,27 @@ def test_a_server_started_with_an_api_key_serves_only_the_calls_that_carry_it(
     # Given through the environment: neither the process listing nor the log shows it.
     assert key not in " ".join(server.command())
     assert key not in server.log_file.read_text()
+
+
+def test_the_launched_server_holds_a_request_that_sets_no_max_tokens_to_the_cap(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path, base_model=tiny_model_dir, embedded_vllm_port=free_port()
+    ).model_copy(update={"max_completion_tokens": 8})
+    server = VllmServer.from_settings(settings)
+    server.start(timeout=300)
+    try:
+
+        def generated(**limit: int) -> tuple[int, str]:
+            body = {"model": "base", "messages": [{"role": "user", "content": "hi"}]}
+            response = post(server, "/v1/chat/completions", body | {"ignore_eos": True} | limit)
+            response.raise_for_status()
+            answer = response.json()
+            return answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]
+
+        # Without it, the tiny model would go on to its 1,024-token context.
+        assert generated() == (8, "length")
+        assert generated(max_tokens=3) == (3, "length")
+    finally:
+        server.stop()

@@ -77,6 +77,10 @@ class CompletionEvent(Event):
     status: CompletionStatus = "ok"
     error: str | None = None
     ttft_ms: float = Field(ge=0)
+    ttft_measured: bool = True
+    """False for a whole (non-streamed) answer whose first token vLLM did not time: `ttft_ms`
+    is then the whole latency, and neither a time-to-first-token nor a per-token penalty is
+    charged from it."""
     latency_ms: float = Field(ge=0)
     completion_tokens: int | None = Field(default=None, ge=0)
     """Tokens generated, also for privacy-mode completions (time per output token)."""

@@ -54,6 +54,7 @@ SAMPLE_METRIC_COLUMNS: tuple[Column[Any], ...] = (
     samples.c.proposed_edit,
     samples.c.status,
     samples.c.ttft_ms,
+    samples.c.ttft_measured,
     samples.c.latency_ms,
     samples.c.completion_tokens,
     samples.c.trajectory_id,

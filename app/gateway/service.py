@@ -171,6 +171,10 @@ class CompletionRecord:
     finish_reason: str | None = None
     error: str | None = None
     first_token_at: float | None = None
+    first_token_timed: bool = True
+    """Whether `first_token_at` was measured: streamed, or from vLLM's per-request timing of a
+    whole answer (without it, a whole answer's first token is only known to be before its
+    end)."""
     finished_at: float | None = None
     cancelled: bool = False
     """The client went away before the end of the stream."""
@@ -388,6 +392,13 @@ class Gateway:
         choices = data.get("choices") or []
         if choices:
             record.add_choice(choices[0], message_key="message", now=now)
+        # vLLM's timing of the answer (--enable-per-request-metrics): its decode interval,
+        # first output token to last, ends when the gateway has the answer.
+        generation_ms = (data.pop("metrics", None) or {}).get("generation_time_ms")
+        if generation_ms is not None and record.first_token_at is not None:
+            record.first_token_at = now - min(float(generation_ms) / 1000, now - call.started)
+        else:
+            record.first_token_timed = False
         record.prompt_token_ids = data.get("prompt_token_ids")
         body = orjson.dumps(self._client_view(call, data))
         self._log_completion(call, assignment, record)
@@ -712,6 +723,7 @@ def completion_event(
         status=record.status,
         error=record.error,
         ttft_ms=max((first - call.started) * 1000, 0.0),
+        ttft_measured=record.first_token_timed,
         latency_ms=max(latency_ms, 0.0),
         completion_tokens=len(record.completion_token_ids),
         tool_calls=check.calls,

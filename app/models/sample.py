@@ -15,6 +15,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
@@ -73,6 +74,8 @@ class Sample(CreatedAt, Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     ttft_ms: Mapped[float] = mapped_column(Float, nullable=False)
+    ttft_measured: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=true())
+    """False: a whole answer vLLM did not time; `ttft_ms` is then its whole latency."""
     latency_ms: Mapped[float] = mapped_column(Float, nullable=False)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     trajectory_id: Mapped[str | None] = mapped_column(String(128))

@@ -168,6 +168,9 @@ class VllmServer:
             # which the trainer's importance ratio needs.
             "--logprobs-mode",
             "processed_logprobs",
+            # Each whole answer carries its timing (time to first token, decode time), so a
+            # non-streamed completion's latency penalties charge what was measured.
+            "--enable-per-request-metrics",
             "--disable-access-log-for-endpoints",
             "/health,/metrics,/ping",
         ]

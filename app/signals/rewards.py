@@ -259,16 +259,17 @@ def distil_components(
         status=completion.status,
         ttft_ms=completion.ttft_ms,
         tpot_ms=tpot_ms,
-        ttft_over_budget=completion.ttft_ms > ttft_budget_ms,
+        ttft_over_budget=completion.ttft_measured and completion.ttft_ms > ttft_budget_ms,
         tpot_over_budget=tpot_ms is not None and tpot_ms > tpot_budget_ms,
         clarifying_question=completion.clarifying_question,
     )
 
 
 def time_per_output_token(completion: CompletionEvent) -> float | None:
-    """Generation time per token after the first; None when fewer than two were generated."""
+    """Generation time per token after the first; None when fewer than two were generated, or
+    when the first token's time was not measured."""
     tokens = completion.completion_tokens
-    if tokens is None or tokens < 2:
+    if tokens is None or tokens < 2 or not completion.ttft_measured:
         return None
     return max(completion.latency_ms - completion.ttft_ms, 0.0) / (tokens - 1)
 

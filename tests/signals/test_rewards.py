@@ -250,6 +250,19 @@ def test_version_2_charges_slow_tokens_not_long_answers() -> None:
     assert distil(kept, completion_tokens=1).tpot_ms is None
 
 
+def test_a_whole_answer_whose_first_token_was_not_timed_is_charged_no_latency_penalty() -> None:
+    # Non-streamed, from a vLLM without per-request timing: the first token's time is only
+    # known to be before the end. Its latency stays an A/B metric; no formula charges it.
+    kept = [accepted(), survival(900, 1.0)]
+    untimed = distil(
+        kept, ttft_ms=6200.0, latency_ms=6200.0, completion_tokens=601, ttft_measured=False
+    )
+    assert not untimed.ttft_over_budget and untimed.tpot_ms is None
+    assert compute_reward(untimed, 2) == compute_reward(untimed, 5) == 1.0
+    timed = distil(kept, ttft_ms=6200.0, latency_ms=6200.0, completion_tokens=601)
+    assert timed.ttft_over_budget and compute_reward(timed, 2) == pytest.approx(0.9)
+
+
 def test_unknown_version_names_the_known_ones() -> None:
     with pytest.raises(
         ValueError, match=r"unknown reward version 99; known versions: 0, 1, 2, 3, 4"

@@ -15,8 +15,9 @@ from sqlalchemy import (
     func,
     select,
     text,
+    true,
 )
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from app.models import Checkpoint, ErasedUser, Reward, Sample
 
@@ -78,16 +79,53 @@ def erased_since_selected(session: Session, samples: list[TrainingSample]) -> in
     return len(samples) - int(stored)
 
 
+def cohort_end(session: Session, checkpoint: str, since: datetime) -> datetime | None:
+    """Where the cohort of `checkpoint`'s runs whose every reward is final ends: the serve
+    time of the first turn of the earliest run with a reward still open (None: none is open).
+
+    Rewards are final at different times by outcome (a rejection at the session's end, a
+    kept edit only at the survival horizon), and a run's earlier turns are credited again
+    when its edit's fate is known: the newest finalized samples are mostly rejections and
+    interim credit. Samples served before this moment are a cohort chosen by serve time alone.
+    """
+    opened = (
+        select(Sample.served_at, Sample.trajectory_id)
+        .join(Reward, Reward.sample_id == Sample.id)
+        .where(
+            Sample.checkpoint == checkpoint,
+            Sample.served_at >= since,
+            Reward.served_at >= since,  # the same day partitions as the samples
+            Reward.finalized_at.is_(None),
+        )
+        .subquery()
+    )
+    turns = aliased(Sample)
+    run_start = (
+        select(func.min(turns.served_at))
+        .where(
+            turns.trajectory_id == opened.c.trajectory_id,
+            turns.checkpoint == checkpoint,
+            turns.served_at >= since,
+        )
+        .scalar_subquery()
+    )
+    return session.scalar(
+        select(func.min(func.coalesce(run_start, opened.c.served_at))).select_from(opened)
+    )
+
+
 def select_on_policy_batch(
     session: Session, production: Checkpoint, *, max_samples: int, withheld_percent: int = 0
 ) -> OnPolicyBatch:
-    """The newest samples the production checkpoint served, with finalized rewards.
+    """The newest samples of the cohort the production checkpoint served whose rewards are
+    all final (`cohort_end`): chosen by serve time, never by when their outcome was known.
 
     Only samples that checkpoint generated are on-policy for it; privacy-mode and
     untrainable samples, those without logged tokens, the slice the evaluation gate holds
     out (`withheld_percent`) and erased users' samples are never trained on.
     """
     since = production.published_at or production.created_at
+    end = cohort_end(session, production.name, since)
     rows = session.execute(
         select(
             Sample.id,
@@ -102,9 +140,11 @@ def select_on_policy_batch(
         .where(
             Sample.checkpoint == production.name,
             Sample.served_at >= since,
+            true() if end is None else Sample.served_at < end,
             Sample.trainable.is_(True),
             Sample.privacy.is_(False),
             Sample.status == "ok",
+            Reward.served_at >= since,
             Reward.finalized_at.is_not(None),
             Reward.reward.is_not(None),
             func.cardinality(Sample.completion_token_ids) > 0,

@@ -116,15 +116,21 @@ def test_the_trainers_selection_reads_only_the_days_since_its_checkpoint_by_inde
         session.add(production)
         session.flush()
         batch = select_on_policy_batch(session, production, max_samples=100)
-    assert len(batch.samples) == 3  # the finalized ones of the last three days
+    # Each day has a final sample and, an hour later, an open one: the cohort whose rewards
+    # are all final ends at the first open one since the checkpoint's publication.
+    assert [sample.served_at for sample in batch.samples] == [DAY - timedelta(days=1)]
 
-    (statement, parameters), *_ = captured.statements
-    nodes = plan_nodes(history, statement, parameters)
-    assert sequential(nodes) == set()
-    samples_read = {name for name in scanned(nodes) if name.startswith("samples")}
-    assert samples_read == {"samples_p20260509", "samples_p20260510", "samples_p20260511"} | {
-        "samples_default"
-    }
+    since_publication = {"p20260509", "p20260510", "p20260511", "default"}
+    (cohort, cohort_parameters), (selection, parameters), *_ = captured.statements
+    for statement, arguments in ((cohort, cohort_parameters), (selection, parameters)):
+        nodes = plan_nodes(history, statement, arguments)
+        assert sequential(nodes) == set()
+        for table in ("samples", "rewards"):
+            read = {name for name in scanned(nodes) if name.startswith(table)}
+            assert read <= {f"{table}_{day}" for day in since_publication}, read
+    # The selection stops at the cohort's end: the later days are not read at all.
+    read = {name for name in scanned(plan_nodes(history, selection, parameters))}
+    assert {name for name in read if name.startswith("samples")} == {"samples_p20260509"}
 
 
 def test_the_workers_sweep_rollups_and_erasure_read_every_partition_by_index(

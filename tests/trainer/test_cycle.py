@@ -467,20 +467,23 @@ def test_privacy_and_untrainable_samples_are_never_selected(
     from trainer.data import select_on_policy_batch
 
     record(registry, base_served[:10], lambda *_: 1.0)
+    # Served last, its reward still open: it is not trained on, nor would anything served
+    # after it be (the cohort ends where the first open reward was served).
+    record(registry, base_served[:1], lambda *_: 1.0)
     with session_scope(registry) as session:
         ids = session.scalars(select(Sample.id).order_by(Sample.id)).all()
+        session.execute(
+            Reward.__table__.update().where(Reward.sample_id == ids[10]).values(finalized_at=None)
+        )
         session.execute(
             Sample.__table__.update().where(Sample.id.in_(ids[:3])).values(privacy=True)
         )
         session.execute(
             Sample.__table__.update().where(Sample.id.in_(ids[3:5])).values(trainable=False)
         )
-        session.execute(
-            Reward.__table__.update().where(Reward.sample_id == ids[5]).values(finalized_at=None)
-        )
         production = session.scalar(select(Checkpoint).where(Checkpoint.name == "base"))
         assert production is not None
         batch = select_on_policy_batch(session, production, max_samples=100)
         total = session.scalar(select(func.count()).select_from(Sample))
-    assert total == 10
-    assert sorted(s.sample_id for s in batch.samples) == sorted(ids[6:])
+    assert total == 11
+    assert sorted(s.sample_id for s in batch.samples) == sorted(ids[5:10])

@@ -9,7 +9,7 @@ from app.history.erasure import erase_in_database, user_history
 from app.models import Checkpoint, CheckpointStatus
 from tests.history.conftest import events, history_engine, history_url, served, store
 from tests.workers.conftest import Events
-from trainer.data import erased_since_selected, select_on_policy_batch
+from trainer.data import cohort_end, erased_since_selected, select_on_policy_batch
 
 __all__ = ["events", "history_engine", "history_url"]  # the history tests' fixtures
 
@@ -65,3 +65,88 @@ def test_a_sample_left_behind_by_an_erasure_is_not_selected(history_engine: Engi
         batch = select_on_policy_batch(session, production, max_samples=10)
     # Served before the erasure: never trained on; served after it: the user's new data.
     assert [sample.served_at for sample in batch.samples] == [PUBLISHED + timedelta(days=2)]
+
+
+def test_a_batch_selected_during_a_burst_of_session_ends_keeps_the_cohorts_kept_share(
+    history_engine: Engine,
+) -> None:
+    """Rejections are final at the session's end, kept edits only at the survival horizon: a
+    batch of the newest final samples, taken while a burst of sessions has just ended, is
+    mostly rejections. The batch is a cohort by serve time instead."""
+    events = Events("burst", PUBLISHED)
+
+    def serve(n: int, at: datetime, kept: bool, now: datetime) -> None:
+        timed = Events(events.prefix, at)
+        signals = (
+            [timed.accepted(n), timed.survival(n, 900, 1.0)]
+            if kept
+            else [timed.rejected(n), timed.session_end(n)]
+        )
+        completion = timed.completion(n, checkpoint="ckpt-5", user_hash=f"user-{n}")
+        store(history_engine, completion, *signals, now=now)
+
+    day = PUBLISHED + timedelta(days=1)
+    for n in range(40):  # yesterday's traffic, half kept: every reward final by now
+        serve(n, PUBLISHED + timedelta(hours=1, minutes=n), kept=n % 2 == 0, now=day)
+    for n in range(100, 140):  # the last minute: the same mix, only the rejections final yet
+        at = day + timedelta(seconds=n - 100)
+        timed = Events(events.prefix, at)
+        if n % 2 == 0:
+            store(
+                history_engine, timed.completion(n, checkpoint="ckpt-5"), timed.accepted(n), now=day
+            )
+        else:
+            serve(n, at, kept=False, now=day + timedelta(minutes=1))
+
+    with session_scope(history_engine) as session:
+        production = Checkpoint(
+            name="ckpt-5",
+            status=CheckpointStatus.production,
+            base_model="tiny",
+            published_at=PUBLISHED,
+        )
+        session.add(production)
+        session.flush()
+        batch = select_on_policy_batch(session, production, max_samples=60)
+    kept = [sample.reward > 0.5 for sample in batch.samples]
+    # Yesterday's cohort, whole: half kept, as served (the newest 60 final samples were the
+    # burst's 20 rejections and 40 of yesterday's: a third kept).
+    assert len(batch.samples) == 40 and sum(kept) == 20
+    assert batch.window_end is not None and batch.window_end < day
+
+
+def test_a_run_whose_edit_is_still_open_is_left_out_with_its_final_turns(
+    history_engine: Engine,
+) -> None:
+    """A run's read turn is final at the session's end, but its credit is interim until the
+    run's edit is: neither it nor anything served after the run began is trained on yet."""
+    start = PUBLISHED + timedelta(hours=3)
+    before, read, edit, after = (
+        Events("run", start + timedelta(seconds=s)) for s in (0, 10, 20, 30)
+    )
+    store(
+        history_engine,
+        before.completion(1, checkpoint="ckpt-6", proposed_edit=False, edit_requested=False),
+        before.session_end(1),
+        read.completion(
+            2, session=9, checkpoint="ckpt-6", proposed_edit=False, trajectory_id="run-r2"
+        ),
+        edit.completion(3, session=9, checkpoint="ckpt-6", trajectory_id="run-r2", turn_index=1),
+        edit.accepted(3, session=9),
+        edit.session_end(3, session=9),
+        after.completion(4, checkpoint="ckpt-6", proposed_edit=False, edit_requested=False),
+        after.session_end(4),
+        now=start + timedelta(minutes=5),
+    )
+    with session_scope(history_engine) as session:
+        production = Checkpoint(
+            name="ckpt-6",
+            status=CheckpointStatus.production,
+            base_model="tiny",
+            published_at=PUBLISHED,
+        )
+        session.add(production)
+        session.flush()
+        assert cohort_end(session, "ckpt-6", PUBLISHED) == read.served_at
+        batch = select_on_policy_batch(session, production, max_samples=10)
+    assert [sample.served_at for sample in batch.samples] == [before.served_at]

@@ -2,7 +2,11 @@
 
 Headers the gateway reads:
   Authorization: Bearer <key>   an `ide` key.
-  X-Session-Id                  required; the IDE session, key of the logged events.
+  X-Session-Id                  optional; the IDE session, key of the logged events. An IDE
+                                that sends none (Continue, Cline, Roo, Aider, Zed configured
+                                with a base URL and a key) gets one derived from its key, its
+                                user and the conversation's first user message
+                                (`derived_session_id`), returned in X-Rtrl-Session-Id.
   X-Request-Id                  optional; unique forever (a reused one is answered 409 at
                                 any age, since a completion is never replayed); generated if
                                 absent and always returned in the response header.
@@ -19,8 +23,11 @@ response's `model` names the checkpoint that answered.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
+import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,7 +42,7 @@ from app.gateway.assignment import hash_user
 from app.gateway.in_flight import InFlight, released_after
 from app.gateway.schemas import ChatRequest, ModelCard, ModelList
 from app.gateway.service import ChatCall, Gateway
-from app.gateway.toolcalls import looks_like_edit_request
+from app.gateway.toolcalls import looks_like_edit_request, message_text
 from app.http.dependencies import require_role
 from app.http.errors import ApiError
 from app.models import Role
@@ -64,11 +71,12 @@ async def chat_completions(
     received_at, started = datetime.now(UTC), time.perf_counter()
     gateway: Gateway = request.app.state.gateway
     settings: Settings = request.app.state.settings
-    session_id = _required_id_header(request, "x-session-id")
+    given_session_id = _id_header(request, "x-session-id")
     client_request_id = _id_header(request, "x-request-id")
     request_id = client_request_id or request.state.request_id
     user_id = _id_header(request, "x-user-id", max_length=256) or str(principal.key_id)
     body, chat = await _chat_body(request)
+    session_id = given_session_id or derived_session_id(principal.key_id, user_id, chat.messages)
     _within_completion_cap(chat, settings.max_completion_tokens)
     edit_header = _flag_header(request, "x-rtrl-edit-request")
     call = ChatCall(
@@ -97,22 +105,26 @@ async def chat_completions(
             chunks, assignment = await gateway.open_stream(
                 call, assignment, request.is_disconnected
             )
-            headers = _served_headers(assignment.checkpoint, _SSE_HEADERS)
+            headers = _served_headers(assignment.checkpoint, session_id, _SSE_HEADERS)
             streaming = True
             return StreamingResponse(
                 released_after(chunks, release), media_type="text/event-stream", headers=headers
             )
         content, assignment = await gateway.complete(call, assignment)
         return Response(
-            content, media_type="application/json", headers=_served_headers(assignment.checkpoint)
+            content,
+            media_type="application/json",
+            headers=_served_headers(assignment.checkpoint, session_id),
         )
     finally:
         if not streaming:
             release()
 
 
-def _served_headers(checkpoint: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {"X-Rtrl-Checkpoint": checkpoint, **(extra or {})}
+def _served_headers(
+    checkpoint: str, session_id: str, extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    return {"X-Rtrl-Checkpoint": checkpoint, "X-Rtrl-Session-Id": session_id, **(extra or {})}
 
 
 async def _chat_body(request: Request) -> tuple[dict[str, Any], ChatRequest]:
@@ -150,16 +162,19 @@ def _within_completion_cap(chat: ChatRequest, cap: int) -> None:
             )
 
 
-def _required_id_header(request: Request, name: str) -> str:
-    value = _id_header(request, name)
-    if value is None:
-        raise ApiError(
-            400,
-            f"The {_title(name)} header is required.",
-            code="missing_header",
-            param=_title(name),
-        )
-    return value
+def derived_session_id(
+    api_key_id: uuid.UUID, user_id: str, messages: Sequence[dict[str, Any]]
+) -> str:
+    """The session of a request that names none: one per key, user and conversation, the
+    conversation known by its first user message (every turn re-sends the history, so every
+    turn of it has the same one). Two conversations that open with the same message are one
+    session; their runs are still told apart by the run lookup."""
+    first = next((m for m in messages if m.get("role") == "user"), messages[0])
+    opening = message_text(first)
+    digest = hashlib.blake2b(
+        f"{api_key_id}\0{user_id}\0{opening}".encode(errors="replace"), digest_size=16
+    )
+    return f"auto-{digest.hexdigest()}"
 
 
 def _id_header(request: Request, name: str, *, max_length: int = 128) -> str | None:

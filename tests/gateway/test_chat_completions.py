@@ -409,13 +409,6 @@ def test_odd_headers_are_refused(
     assert refused.value.body["param"] == param
 
 
-def test_a_missing_session_header_is_refused(gateway_server: Any, ide_key: str) -> None:
-    client = OpenAI(api_key=ide_key, base_url=f"{gateway_server.url}/v1", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="rtrl", messages=MESSAGES, max_tokens=2)
-    assert refused.value.body["code"] == "missing_header"
-
-
 def nested_items(levels: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(levels):

@@ -147,6 +147,10 @@ class FollowupMessage(Event):
 
 class SessionEnd(Event):
     kind: Literal["session_end"] = "session_end"
+    api_key_id: UUID | None = None
+    """The key that ended the session (set by the gateway, whatever the client sent): a
+    session's end finalizes only that key's completions, so a session id that two keys chose
+    alike is never ended by the other. None on ends logged before keys were recorded."""
 
 
 FeedbackEvent = Annotated[

@@ -50,6 +50,7 @@ SAMPLE_METRIC_COLUMNS: tuple[Column[Any], ...] = (
     samples.c.served_at,
     samples.c.checkpoint,
     samples.c.user_hash,
+    samples.c.api_key_id,
     samples.c.edit_requested,
     samples.c.proposed_edit,
     samples.c.status,
@@ -73,6 +74,7 @@ FEEDBACK_SIGNAL_COLUMNS: tuple[Column[Any], ...] = (
     feedback_events.c.surviving_share,
     feedback_events.c.dissatisfied,
     feedback_events.c.occurred_at,
+    feedback_events.c.api_key_id,
 )
 
 # Lock namespace for pg_advisory_xact_lock(namespace, partition); see `lock_partitions`.

@@ -141,6 +141,7 @@ def feedback_row(event: Feedback) -> dict[str, Any]:
         "message": None,
         "dissatisfied": None,
         "occurred_at": event.occurred_at,
+        "api_key_id": event.api_key_id if isinstance(event, SessionEnd) else None,
     }
     if isinstance(event, EditSurvival):
         row["elapsed_s"] = event.elapsed_s
@@ -343,6 +344,7 @@ def _completion_of(sample: Row[Any]) -> CompletionEvent:
             "status": sample.status,
             "ttft_ms": sample.ttft_ms,
             "ttft_measured": sample.ttft_measured,
+            "api_key_id": sample.api_key_id,
             "latency_ms": sample.latency_ms,
             "completion_tokens": sample.completion_tokens,
             "tool_calls": sample.tool_calls,
@@ -364,4 +366,6 @@ def _feedback_of(row: Row[Any]) -> Feedback:
     elif row.kind == "followup_message":
         # The verdict stored at ingest stands in for the text (gone for privacy sessions).
         fields |= {"message": None, "dissatisfied": row.dissatisfied}
+    elif row.kind == "session_end":
+        fields["api_key_id"] = row.api_key_id
     return FEEDBACK_TYPES[row.kind].model_validate(fields)

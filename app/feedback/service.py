@@ -148,6 +148,13 @@ async def accept_feedback(
         without_content(event) if privacy or request.privacy else event
         for event, request in zip(events, served, strict=True)
     ]
+    # A session's end is this key's: it finalizes no other key's completions.
+    events = [
+        event.model_copy(update={"api_key_id": api_key_id})
+        if isinstance(event, SessionEnd)
+        else event
+        for event in events
+    ]
     # Spooled first, marked seen after: a gateway that dies between the two has the event on
     # its spool, or not at all and the IDE's retry is taken; never marked and lost. Two
     # identical batches at once may both be spooled; workers keep one record per event id.

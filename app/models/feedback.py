@@ -62,6 +62,8 @@ class FeedbackEventRow(Base):
     message: Mapped[str | None] = mapped_column(Text)
     dissatisfied: Mapped[bool | None] = mapped_column(Boolean)
     occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    """A `session_end`'s key: it ends that key's completions of the session only."""
     received_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), nullable=False
     )

@@ -181,7 +181,7 @@ def evidence_for(completion: CompletionEvent, feedback: Iterable[Feedback]) -> E
     unique: dict[UUID, Feedback] = {}
     for event in feedback:
         if isinstance(event, SessionEnd):
-            if event.session_id != completion.session_id:
+            if event.session_id != completion.session_id or not _same_key(event, completion):
                 continue
         elif event.request_id != completion.request_id:
             continue
@@ -191,6 +191,11 @@ def evidence_for(completion: CompletionEvent, feedback: Iterable[Feedback]) -> E
     )
     evidence.request_id = completion.request_id
     return evidence
+
+
+def _same_key(end: SessionEnd, completion: CompletionEvent) -> bool:
+    """Whether a session's end is the completion's key's (unknown keys are let through)."""
+    return end.api_key_id is None or completion.api_key_id in (None, end.api_key_id)
 
 
 def acceptance(events: Sequence[Feedback]) -> bool | None:

@@ -13,7 +13,7 @@ from sqlalchemy.exc import OperationalError
 
 from app.auth.schemas import MAX_RATE_LIMIT_PER_MINUTE
 from app.bases import SHIPPED_BASES, BaseModelError, shipped_base_dir, verify_base
-from app.config import SettingsError, get_settings
+from app.config import SettingsError, get_settings, refuse_development_secrets
 from app.db import make_engine, session_scope, upgrade_schema
 from app.embedded.kafka import DEFAULT_TOPICS, ensure_topics
 from app.embedded.process import ServiceError
@@ -329,6 +329,7 @@ def gateway(
 
     settings = get_settings()
     updates = {k: v for k, v in {"gateway_host": host, "gateway_port": port}.items() if v}
+    refuse_development_secrets(settings)  # before anything is reached or logged
     check_topics_if_reachable(settings, DEFAULT_TOPICS)
     run_gateway(settings.model_copy(update=updates), workers=workers)
 

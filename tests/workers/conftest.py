@@ -133,8 +133,10 @@ def worker_config(stack: EmbeddedStack) -> WorkerConfig:
     return fresh_worker_config(stack.kafka.url)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def producer(stack: EmbeddedStack) -> Iterator[KafkaProducer]:
+    """A producer of the test's own: idempotent, and a broker restarted by an earlier test
+    (memory storage) would answer a longer-lived one's producer id UnknownProducerId forever."""
     producer = KafkaProducer(
         bootstrap_servers=stack.kafka.url, acks="all", enable_idempotence=True, linger_ms=5
     )

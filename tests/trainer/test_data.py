@@ -3,6 +3,7 @@
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
 
 from app.db import session_scope
 from app.history.erasure import erase_in_database, user_history
@@ -16,6 +17,16 @@ __all__ = ["events", "history_engine", "history_url"]  # the history tests' fixt
 PUBLISHED = datetime(2026, 6, 1, tzinfo=UTC)
 
 
+def published_production(session: Session, name: str) -> Checkpoint:
+    """A production checkpoint published at PUBLISHED, stored."""
+    production = Checkpoint(
+        name=name, status=CheckpointStatus.production, base_model="tiny", published_at=PUBLISHED
+    )
+    session.add(production)
+    session.flush()
+    return production
+
+
 def test_a_batch_loses_the_samples_of_a_user_erased_while_it_trains(
     history_engine: Engine, events: Events
 ) -> None:
@@ -23,14 +34,7 @@ def test_a_batch_loses_the_samples_of_a_user_erased_while_it_trains(
         at = PUBLISHED + timedelta(hours=n + 1)
         store(history_engine, *served(events, n, user, at, checkpoint="ckpt-3"), now=at)
     with session_scope(history_engine) as session:
-        production = Checkpoint(
-            name="ckpt-3",
-            status=CheckpointStatus.production,
-            base_model="tiny",
-            published_at=PUBLISHED,
-        )
-        session.add(production)
-        session.flush()
+        production = published_production(session, "ckpt-3")
         batch = select_on_policy_batch(session, production, max_samples=10)
     assert len(batch.samples) == 3
 
@@ -54,14 +58,7 @@ def test_a_sample_left_behind_by_an_erasure_is_not_selected(history_engine: Engi
             {"at": PUBLISHED + timedelta(days=1)},
         )
     with session_scope(history_engine) as session:
-        production = Checkpoint(
-            name="ckpt-4",
-            status=CheckpointStatus.production,
-            base_model="tiny",
-            published_at=PUBLISHED,
-        )
-        session.add(production)
-        session.flush()
+        production = published_production(session, "ckpt-4")
         batch = select_on_policy_batch(session, production, max_samples=10)
     # Served before the erasure: never trained on; served after it: the user's new data.
     assert [sample.served_at for sample in batch.samples] == [PUBLISHED + timedelta(days=2)]
@@ -99,14 +96,7 @@ def test_a_batch_selected_during_a_burst_of_session_ends_keeps_the_cohorts_kept_
             serve(n, at, kept=False, now=day + timedelta(minutes=1))
 
     with session_scope(history_engine) as session:
-        production = Checkpoint(
-            name="ckpt-5",
-            status=CheckpointStatus.production,
-            base_model="tiny",
-            published_at=PUBLISHED,
-        )
-        session.add(production)
-        session.flush()
+        production = published_production(session, "ckpt-5")
         batch = select_on_policy_batch(session, production, max_samples=60)
     kept = [sample.reward > 0.5 for sample in batch.samples]
     # Yesterday's cohort, whole: half kept, as served (the newest 60 final samples were the
@@ -139,14 +129,7 @@ def test_a_run_whose_edit_is_still_open_is_left_out_with_its_final_turns(
         now=start + timedelta(minutes=5),
     )
     with session_scope(history_engine) as session:
-        production = Checkpoint(
-            name="ckpt-6",
-            status=CheckpointStatus.production,
-            base_model="tiny",
-            published_at=PUBLISHED,
-        )
-        session.add(production)
-        session.flush()
+        production = published_production(session, "ckpt-6")
         assert cohort_end(session, "ckpt-6", PUBLISHED) == read.served_at
         batch = select_on_policy_batch(session, production, max_samples=10)
     assert [sample.served_at for sample in batch.samples] == [before.served_at]

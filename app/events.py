@@ -123,11 +123,20 @@ class EditRejected(Event):
 
 
 class EditSurvival(Event):
-    """Share of the accepted edit still present `elapsed_s` after acceptance."""
+    """Share of the accepted edit still present `elapsed_s` after acceptance, or a window the
+    IDE never observed (`censored`: it closed, or stopped tracking, before the window)."""
 
     kind: Literal["edit_survival"] = "edit_survival"
     elapsed_s: float = Field(ge=0, le=7 * 24 * 3600)
-    surviving_share: float = Field(ge=0, le=1)
+    surviving_share: float | None = Field(default=None, ge=0, le=1)
+    censored: bool = False
+    """No share was measured at this window, nor will be at any later one: missing, not 0."""
+
+    @model_validator(mode="after")
+    def _share_or_censored(self) -> EditSurvival:
+        if self.censored == (self.surviving_share is not None):
+            raise ValueError("a survival report has a surviving_share, or is censored without one")
+        return self
 
 
 class FollowupMessage(Event):

@@ -28,6 +28,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from starlette.responses import Response
 
+from app.adapters.router import router as adapters_router
 from app.admin.router import router as admin_router
 from app.analytics.dashboard import router as dashboard_router
 from app.analytics.exports import ExportStreams
@@ -132,6 +133,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.shutdown = shutdown
     app.include_router(gateway_router)
     app.include_router(feedback_router)
+    app.include_router(adapters_router)
     app.include_router(admin_router)
     app.include_router(analytics_router)
     app.include_router(dashboard_router)

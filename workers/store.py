@@ -362,7 +362,11 @@ def _feedback_of(row: Row[Any]) -> Feedback:
         "occurred_at": row.occurred_at,
     }
     if row.kind == "edit_survival":
-        fields |= {"elapsed_s": row.elapsed_s, "surviving_share": row.surviving_share}
+        fields |= {
+            "elapsed_s": row.elapsed_s,
+            "surviving_share": row.surviving_share,
+            "censored": row.surviving_share is None,
+        }
     elif row.kind == "followup_message":
         # The verdict stored at ingest stands in for the text (gone for privacy sessions).
         fields |= {"message": None, "dissatisfied": row.dissatisfied}

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus
 from app.gateway.assignment import Assignment, RoutingCache
+from app.gateway.joins import remember_answer, with_client_ids
 from app.gateway.metrics import (
     COMPLETION_LATENCY,
     COMPLETIONS,
@@ -530,7 +531,9 @@ class Gateway:
         return b"data: " + orjson.dumps(self._client_view(call, chunk)) + b"\n\n"
 
     def _client_view(self, call: ChatCall, data: dict[str, Any]) -> dict[str, Any]:
-        """Hide the token ids and logprobs the gateway asked for but the client did not."""
+        """Hide the token ids and logprobs the gateway asked for but the client did not, and
+        give the response the ids a client's own events can be joined by."""
+        with_client_ids(call.request_id, data)
         if not call.wants_token_ids:
             for name in _TOKEN_ID_FIELDS:
                 data.pop(name, None)
@@ -617,6 +620,9 @@ class Gateway:
             log.exception("completion event for %s is invalid; not logged", call.request_id)
             return
         if event.status == "ok":
+            if record.text:
+                answer = remember_answer(self.redis, call.run_owner, call.request_id, record.text)
+                self._in_background(answer)
             remembering = self._remember_turn(call, record, event)
             if call.request.tools:
                 # An agent's turn: the IDE runs the tools and sends the next turn at machine
@@ -654,7 +660,11 @@ class Gateway:
             }
             await self.trajectories.remember(call.run_owner, turn, call.request.messages, answer)
 
-        task = asyncio.ensure_future(remember())
+        return self._in_background(remember())
+
+    def _in_background(self, work: Awaitable[None]) -> asyncio.Future[None]:
+        """A Redis write that finishes even if the client goes; its failure is only logged."""
+        task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task

@@ -31,10 +31,11 @@ from app.events import (
 from app.signals.followup import is_dissatisfied
 
 Feedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd
-FinalizeReason = Literal["horizon", "session_end", "timeout"]
-"""horizon: a survival report at (or past) the horizon arrived; session_end: the session ended
-and nothing more can be reported (no edit accepted); timeout: horizon + grace passed since
-acceptance, or since the completion if never accepted."""
+FinalizeReason = Literal["horizon", "censored", "session_end", "timeout"]
+"""horizon: a survival report at (or past) the horizon arrived; censored: the IDE said it will
+observe no more windows (it closed); session_end: the session ended and nothing more can be
+reported (no edit accepted); timeout: horizon + grace passed since acceptance, or since the
+completion if never accepted."""
 
 HORIZON_TOLERANCE_S = 1.0
 """A survival report within this of the horizon is the horizon report (IDE timers drift)."""
@@ -50,10 +51,12 @@ class RewardComponents(BaseModel):
     accepted: bool | None
     """None: no accept or reject seen."""
     kept: float | None = Field(ge=0, le=1)
-    """Share of the edit still present at the horizon; 0 when rejected or when an edit was
-    requested and none proposed; None while not known."""
+    """Share of the edit still present at the last window reported up to the horizon (an
+    acceptance is the window at 0 s, where all of it is present); 0 when rejected or when an
+    edit was requested and none proposed; None when no verdict was given."""
     survival_elapsed_s: float | None
-    """Elapsed time of the survival report `kept` was read from."""
+    """The window `kept` was read from: the horizon, an earlier one when the later windows
+    were never reported (censored: missing, not 0), 0 for the acceptance itself."""
     dissatisfied: bool | None
     """From the first follow-up; None when there was none."""
     latency_ms: float
@@ -212,8 +215,11 @@ def acceptance(events: Sequence[Feedback]) -> bool | None:
 
 
 def _survival_at_horizon(reports: Sequence[EditSurvival], horizon_s: float) -> EditSurvival | None:
-    """The horizon report, else the latest one before it; reports after the horizon don't count."""
-    in_window = [r for r in reports if r.elapsed_s <= horizon_s + HORIZON_TOLERANCE_S]
+    """The horizon report, else the latest measured one before it; reports after the horizon
+    and censored windows (never observed) don't count."""
+    in_window = [
+        r for r in reports if not r.censored and r.elapsed_s <= horizon_s + HORIZON_TOLERANCE_S
+    ]
     return max(in_window, key=lambda r: r.elapsed_s, default=None)
 
 
@@ -241,6 +247,10 @@ def distil_components(
         report = _survival_at_horizon(reports, horizon_s)
         if report is not None:
             kept, survival_elapsed_s = report.surviving_share, report.elapsed_s
+        elif accepted:
+            # Clients that measure no survival (most do not) still report the acceptance: the
+            # window at 0 s. Dropping these edits instead would leave a batch of rejections.
+            kept, survival_elapsed_s = 1.0, 0.0
 
     followups = [e for e in events if isinstance(e, FollowupMessage)]
     dissatisfied: bool | None = None
@@ -308,10 +318,14 @@ def finalize_reason(
     """
     events = evidence_for(completion, feedback)
     if any(
-        isinstance(e, EditSurvival) and e.elapsed_s >= horizon_s - HORIZON_TOLERANCE_S
+        isinstance(e, EditSurvival)
+        and not e.censored
+        and e.elapsed_s >= horizon_s - HORIZON_TOLERANCE_S
         for e in events
     ):
         return "horizon"
+    if any(isinstance(e, EditSurvival) and e.censored for e in events):
+        return "censored"
     if any(isinstance(e, SessionEnd) for e in events) and acceptance(events) is not True:
         return "session_end"
     if now >= reward_due_at(completion, events, horizon_s=horizon_s, grace_s=grace_s):

@@ -95,6 +95,47 @@ def test_kept_is_the_survival_at_the_horizon() -> None:
     assert components.survival_elapsed_s == 900
 
 
+def censored(elapsed_s: float) -> EditSurvival:
+    return EditSurvival(
+        session_id="s1",
+        request_id="r1",
+        occurred_at=at(10 + elapsed_s),
+        elapsed_s=elapsed_s,
+        censored=True,
+    )
+
+
+def test_windows_the_ide_never_reached_are_missing_not_zero() -> None:
+    # Closed after the 2-minute window: 5, 10 and 15 minutes were never observed.
+    closed = [accepted(), survival(30, 1.0), survival(120, 0.9), censored(300)]
+    components = distil(closed)
+    assert (components.kept, components.survival_elapsed_s) == (0.9, 120)
+    assert compute_reward(components, LATEST_REWARD_VERSION) == pytest.approx(0.9)
+    # The IDE said no more windows will come: final now, not at horizon + grace.
+    assert reason(closed, now=at(400)) == "censored"
+
+
+def test_an_accepted_edit_no_client_measured_is_kept_as_accepted() -> None:
+    # Most clients report the acceptance and no survival: the acceptance is the 0 s window.
+    components = distil([accepted()])
+    assert (components.kept, components.survival_elapsed_s) == (1.0, 0.0)
+    assert compute_reward(components, LATEST_REWARD_VERSION) == 1.0
+    assert reason([accepted()], now=at(10 + HORIZON_S)) is None
+    assert reason([accepted()], now=at(10 + HORIZON_S + GRACE_S)) == "timeout"
+    closed_at_once = [accepted(), censored(30)]
+    assert distil(closed_at_once).survival_elapsed_s == 0.0
+    assert reason(closed_at_once, now=at(45)) == "censored"
+
+
+def test_a_survival_report_has_a_share_or_is_censored() -> None:
+    with pytest.raises(ValueError, match="censored"):
+        EditSurvival(session_id="s1", request_id="r1", elapsed_s=30)
+    with pytest.raises(ValueError, match="censored"):
+        EditSurvival(
+            session_id="s1", request_id="r1", elapsed_s=30, surviving_share=0.5, censored=True
+        )
+
+
 def test_kept_falls_back_to_the_latest_report_before_a_missing_horizon() -> None:
     components = distil([accepted(), survival(30, 1.0), survival(600, 0.7)])
     assert (components.kept, components.survival_elapsed_s) == (0.7, 600)
@@ -103,13 +144,6 @@ def test_kept_falls_back_to_the_latest_report_before_a_missing_horizon() -> None
 def test_reports_after_the_horizon_are_ignored() -> None:
     components = distil([accepted(), survival(120, 0.9), survival(1800, 0.1)])
     assert (components.kept, components.survival_elapsed_s) == (0.9, 120)
-
-
-def test_accepted_edit_without_survival_report_is_not_yet_known() -> None:
-    components = distil([accepted()])
-    assert components.accepted is True
-    assert components.kept is None
-    assert components.survival_elapsed_s is None
 
 
 def test_rejected_edit_keeps_nothing() -> None:
@@ -230,7 +264,6 @@ def test_version_1_formula() -> None:
 
 def test_an_edit_whose_fate_is_unknown_has_no_reward_rather_than_zero() -> None:
     for version in REWARD_VERSIONS:
-        assert compute_reward(distil([accepted()]), version) is None  # no survival report
         assert compute_reward(distil([]), version) is None  # never accepted or rejected
         assert compute_reward(distil([rejected()]), version) == 0.0
         # No edit asked or made: nothing to keep, the other components decide.
@@ -346,7 +379,7 @@ def test_a_run_is_credited_by_its_next_edit_and_unknown_stays_unknown() -> None:
     kept_whole = distil([accepted(), survival(900, 1.0)])
     assert run_rewards([read, kept_whole, final], 3) == pytest.approx([0.9, 1.0, 0.0])
     assert run_rewards([read, kept_whole, final], 4) == pytest.approx([0.9, 1.0, 0.9])
-    unknown_edit = distil([accepted()])  # no survival report ever came
+    unknown_edit = distil([])  # the developer never gave a verdict
     assert run_rewards([read, unknown_edit], 3) == [None, None]
     assert run_rewards([kept_edit], 3) == [compute_reward(kept_edit, 3)]
 

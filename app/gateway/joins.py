@@ -1,0 +1,110 @@
+"""How a client's own events find the completion they are about, when they name no rtrl id.
+
+Stock clients report outcomes in their own vocabulary: Continue's `nextEditOutcome` names the
+response's `id`, its `toolUsage` the tool call's `id`, and its `editOutcome` and
+`chatFeedback` only the answer's text. So the gateway answers with ids that carry the
+request id (the response's `id` is the request id; a tool call's is `call-<n>-<request id>`)
+and remembers a digest of each answer's text, scoped to the key and user it was served to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+ANSWER_TTL_S = 6 * 3600
+"""How long an answer's text finds its request: the feedback window of its request id."""
+MIN_ANSWER_CHARS = 16
+"""Shorter answers ("Done.", "OK") repeat too often within a window to name one completion."""
+
+_TOOL_CALL_ID = re.compile(r"call-(?:\d+\.)?\d+-([A-Za-z0-9._:@-]{1,128})")
+
+
+def tool_call_id(request_id: str, choice: int, position: int) -> str:
+    """The id a client sees for the `position`-th tool call of a response's choice."""
+    prefix = f"{choice}." if choice else ""
+    return f"call-{prefix}{position}-{request_id}"
+
+
+def request_of_tool_call(call_id: str) -> str | None:
+    """The request whose response carried the tool call `call_id`, if it is one of ours."""
+    match = _TOOL_CALL_ID.fullmatch(call_id)
+    return match.group(1) if match else None
+
+
+def with_client_ids(request_id: str, data: dict[str, Any]) -> None:
+    """Give a response (or one stream chunk) the ids clients echo back in their events."""
+    if "id" in data:
+        data["id"] = request_id
+    for choice in data.get("choices") or []:
+        message = choice.get("message") or choice.get("delta") or {}
+        for position, call in enumerate(message.get("tool_calls") or []):
+            if isinstance(call, dict) and call.get("id"):
+                index = call.get("index", position)
+                call["id"] = tool_call_id(request_id, choice.get("index", 0), index)
+
+
+def answer_digests(text: str) -> list[str]:
+    """Digests that find an answer from a client's copy of it: the whole text, and the code
+    of its fenced blocks (what an editor applies), each compared with whitespace collapsed."""
+    candidates = [text, *_fenced_blocks(text)]
+    digests = []
+    for candidate in candidates:
+        normalized = " ".join(candidate.split())
+        if len(normalized) >= MIN_ANSWER_CHARS:
+            digest = hashlib.blake2b(normalized.encode(errors="replace"), digest_size=16)
+            digests.append(digest.hexdigest())
+    return list(dict.fromkeys(digests))
+
+
+def _fenced_blocks(text: str) -> list[str]:
+    """The code of each closed fenced block, in one pass over the lines (client text is
+    untrusted: a scan per opening fence would be quadratic)."""
+    blocks: list[str] = []
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.lstrip(" \t").startswith(("```", "~~~")):
+            if current is None:
+                current = []
+            else:
+                blocks.append("\n".join(current))
+                current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def answer_key(owner: str, digest: str) -> str:
+    return f"rtrl:ans:{owner}:{digest}"
+
+
+async def remember_answer(redis: Redis, owner: str, request_id: str, text: str) -> None:
+    """Let a client's copy of the answer find its request; the newest identical answer wins."""
+    digests = answer_digests(text)
+    if not digests:
+        return
+    try:
+        async with redis.pipeline(transaction=False) as pipe:
+            for digest in digests:
+                pipe.set(answer_key(owner, digest), request_id, ex=ANSWER_TTL_S)
+            await pipe.execute()
+    except RedisError:
+        log.warning("answer of %s not remembered: Redis unavailable", request_id)
+
+
+async def request_of_answer(redis: Redis, owner: str, text: str) -> str | None:
+    """The request (of `owner`) whose answer the client quotes, if one is remembered."""
+    digests = answer_digests(text)
+    if not digests:
+        return None
+    for found in await redis.mget([answer_key(owner, digest) for digest in digests]):
+        if found:
+            return found.decode() if isinstance(found, bytes) else str(found)
+    return None

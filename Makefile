@@ -10,7 +10,7 @@ VLLM_EXTRA ?= cpu
 PYTEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install lint format test demo browser promtool alerts services-up services-down
+.PHONY: install lint format test ts-client demo browser promtool alerts services-up services-down
 
 install: $(STAMP)
 
@@ -36,8 +36,16 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: install lint browser alerts
+test: install lint browser alerts ts-client
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+
+# The TypeScript IDE client: its unit tests, and the build its gateway test (tests/clients) runs.
+ts-client:
+	@if command -v npm >/dev/null 2>&1; then \
+		cd clients/typescript && npm ci --no-audit --no-fund && npm run build && npm test; \
+	else \
+		echo "npm not found: skipping the TypeScript client (clients/typescript)"; \
+	fi
 
 # The dashboard test drives Debian's headless Chromium; without it that one test is skipped.
 browser:

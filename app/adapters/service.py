@@ -143,7 +143,10 @@ async def _joined(redis: Redis, owner: Owner, signal: Signal) -> tuple[str, Serv
     if request_id is None and signal.answer_text is not None:
         request_id = await request_of_answer(redis, owner.run_owner, signal.answer_text)
         if request_id is None:
-            return "no answer of this key and user in the last 6 hours has that text"
+            return (
+                "no answer of this key and user has that text (in the last 6 hours; 5 minutes "
+                "for one under 16 characters)"
+            )
     if request_id is None:
         return signal.unjoinable or "names no completion"
     raw = await redis.get(request_key(request_id)) if len(request_id) <= 128 else None

@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 
 ANSWER_TTL_S = 6 * 3600
 """How long an answer's text finds its request: the feedback window of its request id."""
-MIN_ANSWER_CHARS = 16
-"""Shorter answers ("Done.", "OK") repeat too often within a window to name one completion."""
+SHORT_ANSWER_CHARS = 16
+SHORT_ANSWER_TTL_S = 5 * 60
+"""Shorter answers ("Done.", an agent's last word) repeat within hours, so they name their
+completion only for minutes: a thumb on one comes right after it, and the newest wins."""
 
 _TOOL_CALL_ID = re.compile(r"call-(?:\d+\.)?\d+-([A-Za-z0-9._:@-]{1,128})")
 
@@ -51,17 +53,18 @@ def with_client_ids(request_id: str, data: dict[str, Any]) -> None:
                 call["id"] = tool_call_id(request_id, choice.get("index", 0), index)
 
 
-def answer_digests(text: str) -> list[str]:
-    """Digests that find an answer from a client's copy of it: the whole text, and the code
-    of its fenced blocks (what an editor applies), each compared with whitespace collapsed."""
-    candidates = [text, *_fenced_blocks(text)]
-    digests = []
-    for candidate in candidates:
+def answer_digests(text: str) -> dict[str, int]:
+    """Digests that find an answer from a client's copy of it, each with how long it may: the
+    whole text, and the code of its fenced blocks (what an editor applies), compared with
+    whitespace collapsed."""
+    digests: dict[str, int] = {}
+    for candidate in (text, *_fenced_blocks(text)):
         normalized = " ".join(candidate.split())
-        if len(normalized) >= MIN_ANSWER_CHARS:
+        if normalized:
             digest = hashlib.blake2b(normalized.encode(errors="replace"), digest_size=16)
-            digests.append(digest.hexdigest())
-    return list(dict.fromkeys(digests))
+            short = len(normalized) < SHORT_ANSWER_CHARS
+            digests.setdefault(digest.hexdigest(), SHORT_ANSWER_TTL_S if short else ANSWER_TTL_S)
+    return digests
 
 
 def _fenced_blocks(text: str) -> list[str]:
@@ -92,8 +95,8 @@ async def remember_answer(redis: Redis, owner: str, request_id: str, text: str) 
         return
     try:
         async with redis.pipeline(transaction=False) as pipe:
-            for digest in digests:
-                pipe.set(answer_key(owner, digest), request_id, ex=ANSWER_TTL_S)
+            for digest, ttl_s in digests.items():
+                pipe.set(answer_key(owner, digest), request_id, ex=ttl_s)
             await pipe.execute()
     except RedisError:
         log.warning("answer of %s not remembered: Redis unavailable", request_id)

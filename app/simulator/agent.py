@@ -1,11 +1,14 @@
 """One developer's agent session: each task is an agent run in a workspace, then judged.
 
-The simulated IDE declares the workspace's tools, runs every call the model makes in the
-task's workspace and sends the result back as the next request's tool message, until the
-model answers without a call (its final answer) or the run reaches `MAX_TURNS`. The
-developer then judges the file the run left behind with the task's hidden checks, and
-reports accept or reject, the edit's survival over time and a follow-up — on the run's last
-turn, the answer the IDE shows them.
+The simulated IDE declares the workspace's tools, runs every call of the model's that it can
+(`app.simulator.toolcalls`) in the task's workspace and sends the result back as the next
+request's tool message, until the model answers without a call (its final answer) or the run
+reaches `MAX_TURNS`. The developer then judges the file the run left behind with the task's
+hidden checks. The ideal client reports accept or reject, the edit's survival over time and a
+follow-up — on the run's last turn, the answer the IDE shows them. Continue reports a
+`toolUsage` per call the IDE ran, with the developer's verdict on the edits they looked at
+(an edit approved without a look is applied all the same, and reported by nothing), and a
+thumbs up or down on the final answer. A stock client reports nothing.
 """
 
 from __future__ import annotations
@@ -14,18 +17,88 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace
-from app.events import EditRejected
-from app.gateway.toolcalls import is_edit_tool, unread_tool_calls
+from app.events import EditRejected, utcnow
+from app.simulator.clients import Ide
+from app.simulator.continue_events import tool_usage
 from app.simulator.gateway import GatewayClient
 from app.simulator.population import Developer
-from app.simulator.reactions import Feedback, due_after_s, feedback_events, react
+from app.simulator.reactions import Feedback, Reaction, feedback_events, react
 from app.simulator.report import AgentRun, ServedRequest, SimulationReport
 from app.simulator.session import DeveloperSession
+from app.simulator.toolcalls import IdeToolCall, read_tool_call, unread_tool_calls
 from app.tasks import format_response
+
+
+@dataclass(frozen=True)
+class ExecutedCall:
+    """A tool call of one turn, and what the IDE got running it."""
+
+    request_id: str
+    call: IdeToolCall
+    output: str
+    """The tool message the model reads next turn."""
+    succeeded: bool
+    """The call ran, and an edit changed the file."""
+
+
+def execute(
+    workspace: Workspace, task: AgentTask, request_id: str, call: IdeToolCall
+) -> ExecutedCall:
+    """Run `call` in the workspace, or answer it with why the IDE could not."""
+    if not call.runnable:
+        return ExecutedCall(request_id, call, f"error: {call.problem}", succeeded=False)
+    edits_before = workspace.edits
+    output, _ = workspace.run(task, call.name, call.arguments)
+    succeeded = workspace.edits > edits_before if call.edits else not output.startswith("error")
+    return ExecutedCall(request_id, call, output, succeeded)
+
+
+@dataclass
+class RunTrace:
+    """One agent run as the IDE saw it, turn by turn (a turn is named by its request id)."""
+
+    session_id: str
+    """The session the gateway filed the run under."""
+    turns: list[str] = field(default_factory=list)
+    malformed: dict[str, int] = field(default_factory=dict)
+    """Calls the IDE could not run, by turn."""
+    executed: list[ExecutedCall] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)
+    """Turns whose edit changed the file: the run's diff the developer judges."""
+    not_applied: list[str] = field(default_factory=list)
+    """Turns that called an edit tool the workspace could not apply."""
+    checkpoint: str = ""
+    latency_s: float = 0.0
+    """The slowest turn's latency: what the developer noticed."""
+    final_text: str = ""
+    """The answer without a call that ended the run; empty when `MAX_TURNS` ended it."""
+    calls: int = 0
+    clarifying: bool = False
+    """The run's first answer asked a question instead of acting."""
+
+    @property
+    def judged(self) -> list[str]:
+        """The turns the developer's verdict is about: the edit turns, else the last turn."""
+        return self.applied or self.turns[-1:]
+
+
+def ideal_feedback(trace: RunTrace, reaction: Reaction) -> list[Feedback]:
+    """What the ideal IDE reports of a run: the developer's verdict on the run's diff (accept
+    or reject, then how much of it survives) on every turn whose edit is part of it, the
+    follow-up on the last of them (or on the final answer when nothing was edited), and an
+    edit the workspace could not apply as rejected: each edit turn's fate is known."""
+    events: list[Feedback] = [
+        EditRejected(session_id=trace.session_id, request_id=r) for r in trace.not_applied
+    ]
+    judged = trace.judged
+    for request_id in judged:
+        verdict = replace(reaction, followup=None) if request_id != judged[-1] else reaction
+        events += feedback_events(verdict, trace.session_id, request_id)
+    return events
 
 
 class AgentSession(DeveloperSession):
@@ -40,8 +113,9 @@ class AgentSession(DeveloperSession):
         *,
         time_scale: float,
         rng: random.Random,
+        ide: Ide | None = None,
     ) -> None:
-        super().__init__(gateway, report, developer, (), time_scale=time_scale, rng=rng)
+        super().__init__(gateway, report, developer, (), time_scale=time_scale, rng=rng, ide=ide)
         self.agent_tasks = tasks
 
     async def work(self, keep_going: Callable[[], bool] = lambda: True) -> None:
@@ -61,99 +135,130 @@ class AgentSession(DeveloperSession):
 
     async def _run(self, task: AgentTask, index: int) -> AgentRun | None:
         workspace = Workspace.for_task(task)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": task.request}]
-        turns: list[str] = []
-        applied: list[str] = []
-        """Turns whose edit changed the file: the run's diff the developer judges."""
-        not_applied: list[str] = []
-        """Turns that called an edit tool the workspace could not apply."""
-        checkpoint, latency_s, final_text = "", 0.0, ""
-        malformed = calls = 0
-        clarifying = False
-        for turn in range(MAX_TURNS):
-            request_id = f"{self.session_id}.{index}.{turn}"
-            answer = await self.gateway.ask(
-                self.developer, self.session_id, request_id, messages, tools=TOOLS
-            )
-            if answer is None:
-                break
-            turns.append(request_id)
-            checkpoint, latency_s = answer.checkpoint, max(latency_s, answer.latency_s)
-            unread = unread_tool_calls(answer.text)
-            malformed += unread
-            calls += unread + len(answer.tool_calls)
-            assistant: dict[str, Any] = {"role": "assistant", "content": answer.text or None}
-            if answer.tool_calls:
-                assistant["tool_calls"] = list(answer.tool_calls)
-            messages.append(assistant)
-            if not answer.tool_calls:
-                final_text = answer.text
-                clarifying = turn == 0 and not unread and answer.text.rstrip().endswith(("?", "？"))
-                break
-            edits_before = workspace.edits
-            edit_called = False
-            for call in answer.tool_calls:
-                function = call.get("function") or {}
-                edit_called |= is_edit_tool(function.get("name"))
-                result, well_formed = workspace.run(
-                    task, function.get("name"), function.get("arguments")
-                )
-                malformed += not well_formed
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-            if workspace.edits > edits_before:
-                applied.append(request_id)
-            elif edit_called:
-                not_applied.append(request_id)
-        if not turns:
+        trace = await self._agent_loop(task, index, workspace)
+        if not trace.turns:
             return None
         # What the developer sees: the file the run left behind, or the final answer.
-        shown = format_response(workspace.final_code(task)) if workspace.edits else final_text
-        reaction = react(task.task, shown, latency_s, self.developer, self.rng)
-        # The IDE reports the developer's verdict on the run's diff (accept or reject, then
-        # how much of it survives) on every turn whose edit is part of it, the follow-up on
-        # the last of them (or on the final answer when nothing was edited), and an edit the
-        # workspace could not apply as rejected: each edit turn's fate is known.
-        judged = applied or [turns[-1]]
-        for request_id in turns:
+        shown = format_response(workspace.final_code(task)) if workspace.edits else trace.final_text
+        reaction = react(task.task, shown, trace.latency_s, self.developer, self.rng)
+        continue_events, told = (
+            self._continue_tool_usage(trace.executed, reaction)
+            if self.ide.mode == "continue"
+            else ([], set())
+        )
+        for request_id in trace.turns:
             self.report.record_served(
                 ServedRequest(
                     request_id=request_id,
-                    session_id=self.session_id,
+                    session_id=trace.session_id,
                     user_id=self.developer.user_id,
                     task_id=task.task_id,
-                    checkpoint=checkpoint,
-                    latency_s=latency_s,
-                    proposed_edit=request_id in applied,
-                    accepted=reaction.accepted if request_id in judged else None,
+                    checkpoint=trace.checkpoint,
+                    latency_s=trace.latency_s,
+                    proposed_edit=request_id in trace.applied,
+                    accepted=reaction.accepted if request_id in trace.judged else None,
+                    verdict_reported=self.ide.mode == "ideal" or request_id in told,
+                    malformed_calls=trace.malformed[request_id],
                 )
             )
         answered_at = time.monotonic()
-        self.last_request_id = turns[-1]
-        events: list[Feedback] = [
-            EditRejected(session_id=self.session_id, request_id=r) for r in not_applied
-        ]
-        for request_id in judged:
-            verdict = replace(reaction, followup=None) if request_id != judged[-1] else reaction
-            events += feedback_events(verdict, self.session_id, request_id)
-        immediate = [event for event in events if due_after_s(event) == 0]
-        later = sorted((event for event in events if due_after_s(event) > 0), key=due_after_s)
-        if immediate:
-            await self.gateway.send_feedback(self.developer, immediate)
-        if later:
-            self.survival_timers.append(asyncio.create_task(self._report_later(later, answered_at)))
+        self.last_request_id = trace.turns[-1]
+        if self.ide.mode == "ideal":
+            await self.report_feedback(ideal_feedback(trace, reaction), answered_at)
+        elif self.ide.mode == "continue":
+            for event in continue_events:
+                await self.gateway.post_continue_event(self.developer, event)
+            await self.rate_answer(reaction, task.request, trace.final_text)
         run = AgentRun(
             user_id=self.developer.user_id,
-            checkpoint=checkpoint,
+            checkpoint=trace.checkpoint,
             task_id=task.task_id,
-            turns=len(turns),
+            turns=len(trace.turns),
             edited=workspace.edits > 0,
             solved=workspace.solves(task),
             accepted=reaction.accepted,
-            tool_calls=calls,
-            malformed_calls=malformed,
-            clarifying_question=clarifying,
+            tool_calls=trace.calls,
+            malformed_calls=sum(trace.malformed.values()),
+            clarifying_question=trace.clarifying,
             read_before_edit=workspace.read_before_edit,
             abandoned=reaction.abandons_session,
         )
         self.report.record_run(run)
         return run
+
+    async def _agent_loop(self, task: AgentTask, index: int, workspace: Workspace) -> RunTrace:
+        """Ask, run the calls, send their results back, until a final answer or `MAX_TURNS`."""
+        trace = RunTrace(self.session_id)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": task.request}]
+        for turn in range(MAX_TURNS):
+            answer = await self.gateway.ask(
+                self.developer,
+                self.session_id,
+                f"{self.session_id}.{index}.{turn}",
+                messages,
+                tools=TOOLS,
+            )
+            if answer is None:
+                break
+            request_id, trace.session_id = answer.request_id, answer.session_id
+            trace.turns.append(request_id)
+            trace.checkpoint = answer.checkpoint
+            trace.latency_s = max(trace.latency_s, answer.latency_s)
+            unread = unread_tool_calls(answer.text)
+            tool_calls = [read_tool_call(call) for call in answer.tool_calls]
+            trace.malformed[request_id] = unread + sum(not call.runnable for call in tool_calls)
+            trace.calls += unread + len(tool_calls)
+            assistant: dict[str, Any] = {"role": "assistant", "content": answer.text or None}
+            if answer.tool_calls:
+                assistant["tool_calls"] = list(answer.tool_calls)
+            messages.append(assistant)
+            if not tool_calls:
+                trace.final_text = answer.text
+                question = answer.text.rstrip().endswith(("?", "？"))
+                trace.clarifying = turn == 0 and not unread and question
+                break
+            edits_before = workspace.edits
+            for call in tool_calls:
+                done = execute(workspace, task, request_id, call)
+                trace.executed.append(done)
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.call_id, "content": done.output}
+                )
+            if workspace.edits > edits_before:
+                trace.applied.append(request_id)
+            elif any(call.edits for call in tool_calls):
+                trace.not_applied.append(request_id)
+        return trace
+
+    def _continue_tool_usage(
+        self, executed: Sequence[ExecutedCall], reaction: Reaction
+    ) -> tuple[list[dict[str, Any]], set[str]]:
+        """Continue's `toolUsage` events of a run, and the turns whose edit verdict they tell.
+
+        Calls that need no approval (reads, tests, calls the IDE could not run) are reported
+        as run; an edit carries the developer's verdict on the run's diff when they looked at
+        it, and is reported by nothing when they approved it without a look (or left before
+        judging). A refused edit did not succeed.
+        """
+        events: list[dict[str, Any]] = []
+        told: set[str] = set()
+        for done in executed:
+            accepted = True
+            if done.call.edits and done.call.runnable:
+                if reaction.accepted is None or not self.ide.looks_at_edit():
+                    continue
+                accepted = reaction.accepted
+            event = tool_usage(
+                done.call,
+                output=done.output,
+                accepted=accepted,
+                succeeded=accepted and done.succeeded,
+                user_id=self.developer.user_id,
+                destination=self.ide.destination,
+                at=utcnow(),
+            )
+            if event is not None:
+                events.append(event)
+                if done.call.edits:
+                    told.add(done.request_id)
+        return events, told

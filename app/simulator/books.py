@@ -8,13 +8,16 @@ for the sessions the given runs worked in, so other traffic in the same database
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, Row, func, select
 
 from app.db import session_scope
 from app.models import FeedbackEventRow, Reward, Sample
-from app.simulator.report import SimulationReport
+from app.simulator.report import RewardTally, SimulationReport
 
 
 @dataclass
@@ -30,9 +33,12 @@ class Books:
     orphans: list[str]
     """Samples of requests the simulator never got an answer to."""
     wrong_verdicts: list[str]
-    """Rewards whose `accepted` differs from what the developer did."""
+    """Rewards whose `accepted` differs from the verdict the client reported."""
     feedback_accepted: int
+    """Feedback events the gateway accepted: on `/v1/feedback`, and made of client events."""
     feedback_stored: int
+    rewards: RewardTally
+    """The answered requests' final rewards."""
 
     @property
     def balanced(self) -> bool:
@@ -59,7 +65,7 @@ def read_books(engine: Engine, reports: list[SimulationReport]) -> Books:
     sessions = sorted({r.session_id for r in served.values()})
     with session_scope(engine) as session:
         rows = session.execute(
-            select(Sample.request_id, Reward.finalized_at, Reward.components)
+            select(Sample.request_id, Reward.finalized_at, Reward.components, Reward.reward)
             .outerjoin(Reward, Reward.sample_id == Sample.id)
             .where(Sample.session_id.in_(sessions))
         ).all()
@@ -82,6 +88,7 @@ def read_books(engine: Engine, reports: list[SimulationReport]) -> Books:
         for rid, request in served.items()
         if rid in by_request
         and request.accepted is not None
+        and request.verdict_reported
         and (components := by_request[rid].components or {}).get("accepted") != request.accepted
     )
     return Books(
@@ -91,6 +98,37 @@ def read_books(engine: Engine, reports: list[SimulationReport]) -> Books:
         unfinalized=unfinalized,
         orphans=orphans,
         wrong_verdicts=wrong,
-        feedback_accepted=sum(report.feedback_events_accepted for report in reports),
+        feedback_accepted=sum(
+            report.feedback_events_accepted + report.continue_feedback_mapped for report in reports
+        ),
         feedback_stored=feedback_stored,
+        rewards=_tally([by_request[rid] for rid in served.keys() & by_request.keys()], len(served)),
     )
+
+
+def _tally(rows: Sequence[Row[Any]], served: int) -> RewardTally:
+    final = [row for row in rows if row.finalized_at is not None]
+    rewarded = [row for row in final if row.reward is not None]
+    edits = [
+        row.components or {} for row in rewarded if (row.components or {}).get("proposed_edit")
+    ]
+    return RewardTally(
+        served=served,
+        finalized=len(final),
+        rewarded=len(rewarded),
+        rewarded_edits=len(edits),
+        kept_total=sum(float(components.get("kept") or 0.0) for components in edits),
+    )
+
+
+def read_final_books(
+    engine: Engine, reports: list[SimulationReport], timeout_s: float, poll_s: float = 1.0
+) -> Books:
+    """The books once every answered request's reward is final, or as they stand when the
+    timeout runs out."""
+    deadline = time.monotonic() + timeout_s
+    books = read_books(engine, reports)
+    while (books.missing_samples or books.unfinalized) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        books = read_books(engine, reports)
+    return books

@@ -5,6 +5,9 @@ from __future__ import annotations
 import typer
 
 from app.config import get_settings
+from app.db import make_engine
+from app.simulator.books import read_final_books
+from app.simulator.clients import CLIENT_MODES, ClientConfig
 from app.simulator.report import SimulationReport
 from app.simulator.run import simulate
 from app.tasks import Split
@@ -47,10 +50,37 @@ def simulate_command(
         "--agent/--one-turn",
         help="Agent sessions: tools declared, each task a run of tool calls in a workspace.",
     ),
+    client: str = typer.Option(
+        "ideal",
+        "--client",
+        help="The IDE client: ideal (session ids, every signal), stock (no session header,"
+        " no feedback) or continue (Continue's own events on /v1/adapters/continue).",
+    ),
+    ide_closes: float = typer.Option(
+        0.0,
+        "--ide-closes",
+        min=0.0,
+        max=1.0,
+        help="Ideal client: share of developers who close the IDE before the 10- and 15-minute"
+        " survival windows (never reported).",
+    ),
+    rewards_timeout: float = typer.Option(
+        0.0,
+        "--rewards-timeout",
+        min=0.0,
+        help="Then wait up to this many seconds for the rewards to be final and print them"
+        " (reads RTRL_DATABASE_URL); 0: don't.",
+    ),
 ) -> None:
     """Run synthetic developers against the gateway and print what each checkpoint earned."""
     if split not in SPLITS:
         raise typer.BadParameter("must be train, heldout or all", param_hint="--split")
+    if client not in CLIENT_MODES:
+        raise typer.BadParameter(f"must be {', '.join(CLIENT_MODES)}", param_hint="--client")
+    if ide_closes and client != "ideal":
+        raise typer.BadParameter(
+            "only the ideal client reports survival windows", param_hint="--ide-closes"
+        )
     settings = get_settings()
     url = gateway or f"http://{settings.gateway_host}:{settings.gateway_port}"
     typer.echo(f"simulating {users} developers against {url} ...")
@@ -74,8 +104,16 @@ def simulate_command(
         split=split,
         concurrency=concurrency,
         agent=agent,
+        client=ClientConfig(mode=client, ide_closes_share=ide_closes),
         progress=progress,
     )
+    if rewards_timeout and report.served:
+        typer.echo(f"waiting up to {rewards_timeout:.0f} s for the rewards to be final ...")
+        engine = make_engine(settings.database_url)
+        try:
+            report.rewards = read_final_books(engine, [report], rewards_timeout).rewards
+        finally:
+            engine.dispose()
     typer.echo(report.summary())
     if report.requests_sent and not report.requests_ok:
         raise typer.Exit(code=1)

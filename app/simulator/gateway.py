@@ -1,4 +1,4 @@
-"""The simulated IDE plugin's connection to the gateway: completions and feedback."""
+"""The simulated IDE plugin's connection to the gateway: completions and what it reports."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import httpx
 import openai
 from openai import AsyncOpenAI
 
+from app.simulator.clients import ClientMode
 from app.simulator.population import Developer
 from app.simulator.reactions import Feedback
 from app.simulator.report import SimulationReport
@@ -21,6 +22,7 @@ MAX_ATTEMPTS = 5
 MAX_RETRY_AFTER_S = 30.0
 ROUTED_MODEL = "rtrl"
 """The gateway ignores the body's model and picks the checkpoint; the IDE names this one."""
+CONTINUE_DESTINATION = "/v1/adapters/continue"
 
 
 @dataclass(frozen=True)
@@ -30,16 +32,21 @@ class Answer:
     text: str
     checkpoint: str
     latency_s: float
+    request_id: str
+    """The gateway's id of the request: the client's X-Request-Id, or the one it generated."""
+    session_id: str
+    """The client's X-Session-Id, or the session the gateway derived."""
     tool_calls: tuple[dict[str, Any], ...] = ()
     """The calls the model made, in the OpenAI shape (id, type, function name/arguments)."""
 
 
 class GatewayClient:
-    """Sends chat completions and feedback batches like an IDE plugin, and keeps the books.
+    """Sends chat completions and feedback like an IDE plugin, and keeps the books.
 
     Errors are counted in the report and never raised; 429 and 503 are retried after their
-    Retry-After. Timeouts are not retried: the gateway may have served the request already,
-    and a request id is never reused.
+    Retry-After, except Continue's events (Continue never retries). Timeouts are not retried:
+    the gateway may have served the request already, and a request id is never reused. Only
+    the ideal client names its session and requests; the others send the static `X-User-Id`.
     """
 
     def __init__(
@@ -51,9 +58,11 @@ class GatewayClient:
         concurrency: int,
         timeout_s: float,
         max_tokens: int,
+        client: ClientMode = "ideal",
     ) -> None:
         base_url = gateway_url.rstrip("/")
         self.report = report
+        self.client = client
         self.max_tokens = max_tokens
         self.completions = AsyncOpenAI(
             base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout_s
@@ -86,14 +95,7 @@ class GatewayClient:
         }
         if tools:
             body["tools"] = tools
-        headers = {
-            "X-Session-Id": session_id,
-            "X-User-Id": developer.user_id,
-            "X-Request-Id": request_id,
-            "X-Rtrl-Edit-Request": "1",
-        }
-        if developer.privacy:
-            headers["X-Rtrl-Privacy"] = "1"
+        headers = self._chat_headers(developer, session_id, request_id)
         self.report.requests_sent += 1
         attempt = 0
         while True:
@@ -124,8 +126,28 @@ class GatewayClient:
                 for call in (message.tool_calls or [] if message else [])
             )
             return Answer(
-                (message.content if message else None) or "", checkpoint, latency_s, calls
+                (message.content if message else None) or "",
+                checkpoint,
+                latency_s,
+                request_id=raw.headers.get("x-request-id") or completion.id or request_id,
+                session_id=raw.headers.get("x-rtrl-session-id") or session_id,
+                tool_calls=calls,
             )
+
+    def _chat_headers(
+        self, developer: Developer, session_id: str, request_id: str
+    ) -> dict[str, str]:
+        if self.client != "ideal":
+            return {"X-User-Id": developer.user_id}
+        headers = {
+            "X-Session-Id": session_id,
+            "X-User-Id": developer.user_id,
+            "X-Request-Id": request_id,
+            "X-Rtrl-Edit-Request": "1",
+        }
+        if developer.privacy:
+            headers["X-Rtrl-Privacy"] = "1"
+        return headers
 
     async def send_feedback(self, developer: Developer, events: Sequence[Feedback]) -> bool:
         """Post one batch of IDE events; whether the gateway accepted it (202)."""
@@ -152,6 +174,29 @@ class GatewayClient:
                 continue
             return self._feedback_failed(f"http_{response.status_code}")
 
+    async def post_continue_event(self, developer: Developer, event: dict[str, Any]) -> None:
+        """Post one Continue event, once, as Continue does: a failure is counted and lost."""
+        self.report.continue_events_sent += 1
+        try:
+            async with self.in_flight:
+                response = await self.http.post(
+                    CONTINUE_DESTINATION, json=event, headers={"X-User-Id": developer.user_id}
+                )
+        except httpx.TimeoutException:
+            return self._continue_failed("timeout")
+        except httpx.HTTPError:
+            return self._continue_failed("connection")
+        if response.status_code != 202:
+            return self._continue_failed(f"http_{response.status_code}")
+        try:
+            answer = response.json()
+            outcome, kinds = str(answer["outcome"]), list(answer.get("feedback") or [])
+        except (ValueError, KeyError, TypeError):
+            return self._continue_failed("unreadable_answer")
+        self.report.continue_outcomes[f"{event['name']}:{outcome}"] += 1
+        if outcome == "mapped":
+            self.report.continue_feedback_mapped += len(kinds)
+
     async def _wait_to_retry(self, headers: Mapping[str, str]) -> None:
         self.report.retries += 1
         try:
@@ -164,6 +209,10 @@ class GatewayClient:
         self.report.requests_failed += 1
         self.report.errors[f"chat:{cause}"] += 1
         return None
+
+    def _continue_failed(self, cause: str) -> None:
+        self.report.continue_events_failed += 1
+        self.report.errors[f"continue:{cause}"] += 1
 
     def _feedback_failed(self, cause: str) -> bool:
         self.report.feedback_batches_failed += 1

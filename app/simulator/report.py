@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from app.simulator.clients import ClientMode
+
 
 @dataclass(frozen=True)
 class ServedRequest:
@@ -19,6 +21,34 @@ class ServedRequest:
     proposed_edit: bool
     accepted: bool | None
     """None when the developer abandoned the session before judging the answer."""
+    verdict_reported: bool = True
+    """Whether the client told the gateway the developer's verdict (stock clients never do)."""
+    malformed_calls: int = 0
+    """Calls of this turn the IDE could not run (see `app.simulator.toolcalls`)."""
+
+
+@dataclass(frozen=True)
+class RewardTally:
+    """What Postgres holds for a run's answered requests, read once their rewards are final."""
+
+    served: int
+    finalized: int
+    rewarded: int
+    """Final rewards with a value (an edit whose fate was never reported has none)."""
+    rewarded_edits: int
+    """Of those, the ones whose answer proposed an edit."""
+    kept_total: float
+    """The kept share of the rewarded edits, summed."""
+
+    @property
+    def rewarded_share(self) -> float:
+        """Share of answered requests that ended with a reward."""
+        return self.rewarded / self.served if self.served else 0.0
+
+    @property
+    def kept_share(self) -> float:
+        """Mean kept share over the rewarded edits."""
+        return self.kept_total / self.rewarded_edits if self.rewarded_edits else 0.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +107,7 @@ class CheckpointStats:
 class SimulationReport:
     """Counts of one run; requests_sent = requests_ok + requests_failed, always."""
 
+    client: ClientMode = "ideal"
     requests_sent: int = 0
     requests_ok: int = 0
     requests_failed: int = 0
@@ -86,7 +117,8 @@ class SimulationReport:
     """Failed requests and feedback batches by cause, e.g. `chat:http_500`, `feedback:timeout`."""
     sessions_started: int = 0
     sessions_ended: int = 0
-    """Sessions whose `session_end` the gateway accepted."""
+    """Sessions that ended; with the ideal client, those whose `session_end` the gateway
+    accepted (other clients send none)."""
     sessions_abandoned: int = 0
     """Sessions a developer left because an answer took far longer than their patience."""
     sessions_cut: int = 0
@@ -97,6 +129,15 @@ class SimulationReport:
     feedback_events_sent: int = 0
     feedback_events_accepted: int = 0
     """Events in batches answered 202 (new and duplicate alike)."""
+    continue_events_sent: int = 0
+    continue_events_failed: int = 0
+    """Continue events that got no 202: lost, since Continue does not retry."""
+    continue_outcomes: Counter[str] = field(default_factory=Counter)
+    """Answered Continue events by `<event name>:<outcome>`, e.g. `toolUsage:mapped`."""
+    continue_feedback_mapped: int = 0
+    """rtrl feedback events the gateway made of the Continue events it mapped."""
+    rewards: RewardTally | None = None
+    """Read from Postgres once the run's rewards are final; None when not read."""
     served: list[ServedRequest] = field(default_factory=list)
     runs: list[AgentRun] = field(default_factory=list)
     """Agent runs, in agent mode."""
@@ -121,9 +162,23 @@ class SimulationReport:
     def record_run(self, run: AgentRun) -> None:
         self.runs.append(run)
 
+    @property
+    def malformed_turns(self) -> int:
+        """Answered requests with at least one call the IDE could not run."""
+        return sum(served.malformed_calls > 0 for served in self.served)
+
+    @property
+    def continue_events_by_outcome(self) -> Counter[str]:
+        """Answered Continue events by outcome (mapped, duplicate, unjoinable, ignored)."""
+        outcomes: Counter[str] = Counter()
+        for key, count in self.continue_outcomes.items():
+            outcomes[key.rsplit(":", 1)[1]] += count
+        return outcomes
+
     def summary(self) -> str:
         """A few lines for a terminal."""
         lines = [
+            f"client: {self.client}",
             f"sessions: {self.sessions_started} started, {self.sessions_ended} ended, "
             f"{self.sessions_abandoned} abandoned, {self.sessions_cut} cut",
             f"requests: {self.requests_sent} sent, {self.requests_ok} ok, "
@@ -148,6 +203,24 @@ class SimulationReport:
                 f" {sum(r.clarifying_question for r in runs) / len(runs):.0%},"
                 f" turns per solved task"
                 f" {sum(r.turns for r in solved) / max(len(solved), 1):.1f}"
+            )
+        if self.client == "continue":
+            outcomes = ", ".join(f"{key} x{n}" for key, n in sorted(self.continue_outcomes.items()))
+            lines.append(
+                f"continue events: {self.continue_events_sent} sent,"
+                f" {self.continue_events_failed} lost ({outcomes or 'none answered'})"
+            )
+        if self.runs and self.requests_ok:
+            lines.append(
+                f"turns with a malformed call: {self.malformed_turns}/{self.requests_ok}"
+                f" ({self.malformed_turns / self.requests_ok:.0%})"
+            )
+        if self.rewards is not None:
+            tally = self.rewards
+            lines.append(
+                f"rewards: {tally.finalized}/{tally.served} final, {tally.rewarded} with a"
+                f" reward ({tally.rewarded_share:.0%}); kept {tally.kept_share:.2f} over"
+                f" {tally.rewarded_edits} rewarded edits"
             )
         if self.errors:
             causes = ", ".join(f"{cause} x{n}" for cause, n in self.errors.most_common())

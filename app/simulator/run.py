@@ -7,10 +7,11 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.agent_tasks import agent_task
 from app.simulator.agent import AgentSession
+from app.simulator.clients import ClientConfig, ide_for_session
 from app.simulator.gateway import GatewayClient
 from app.simulator.population import Developer, make_population
 from app.simulator.reactions import SURVIVAL_WINDOWS_S
@@ -45,6 +46,8 @@ class Workload:
     """Tokens per answer; default 48 for one-turn answers, 96 for an agent's turns."""
     agent: bool = False
     """Agent sessions: each task is a run of tool calls in a workspace (`app.agent_tasks`)."""
+    client: ClientConfig = field(default_factory=ClientConfig)
+    """The IDE client the developers use, and what it reports (`app.simulator.clients`)."""
     request_timeout_s: float = 60.0
     max_wall_s: float | None = None
     """Hard limit on the run; open sessions are cut. Default: none when bounded by count,
@@ -122,6 +125,7 @@ def simulate(
     privacy_share: float = 0.1,
     max_wall_s: float | None = None,
     agent: bool = False,
+    client: ClientConfig | None = None,
     progress: Progress | None = None,
 ) -> SimulationReport:
     """Run a population of developers against the gateway until done; see `Workload`."""
@@ -139,6 +143,7 @@ def simulate(
         privacy_share=privacy_share,
         max_wall_s=max_wall_s,
         agent=agent,
+        client=client or ClientConfig(),
     )
     return asyncio.run(run_simulation(gateway_url, api_key, workload, progress=progress))
 
@@ -147,7 +152,7 @@ async def run_simulation(
     gateway_url: str, api_key: str, workload: Workload, *, progress: Progress | None = None
 ) -> SimulationReport:
     """`simulate` for callers already inside an event loop."""
-    report = SimulationReport()
+    report = SimulationReport(client=workload.client.mode)
     started = time.monotonic()
     gateway = GatewayClient(
         gateway_url,
@@ -156,6 +161,7 @@ async def run_simulation(
         concurrency=workload.concurrency,
         timeout_s=workload.request_timeout_s,
         max_tokens=workload.answer_tokens,
+        client=workload.client.mode,
     )
     runner = _Runner(workload, gateway, report, progress)
     try:
@@ -226,6 +232,7 @@ class _Runner:
                 return
             rng = random.Random(f"rtrl-simulator:{workload.seed}:{developer.user_id}:{number}")
             tasks = pick_tasks(developer, self.tasks_by_language, workload.tasks_per_session, rng)
+            ide = ide_for_session(workload.client, developer, number)
             session = (
                 AgentSession(
                     self.gateway,
@@ -234,6 +241,7 @@ class _Runner:
                     [agent_task(task, rng) for task in tasks],
                     time_scale=workload.time_scale,
                     rng=rng,
+                    ide=ide,
                 )
                 if workload.agent
                 else DeveloperSession(
@@ -243,6 +251,7 @@ class _Runner:
                     tasks,
                     time_scale=workload.time_scale,
                     rng=rng,
+                    ide=ide,
                 )
             )
             self.sessions.append(session)

@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.gateway.joins import tool_call_id, with_client_ids
+from app.gateway.joins import (
+    ANSWER_TTL_S,
+    SHORT_ANSWER_TTL_S,
+    answer_digests,
+    tool_call_id,
+    with_client_ids,
+)
 
 PROMPT = "Write a function f(x) that returns x plus 3, with a docstring."
 
@@ -288,3 +294,12 @@ def _sentinel(client: TestClient, key: str, served: Callable[..., dict[str, Any]
     )
     assert posted.status_code == 202, posted.text
     return event_id
+
+
+def test_a_short_answer_is_found_by_its_text_for_minutes_a_long_one_for_hours() -> None:
+    assert list(answer_digests("Done.").values()) == [SHORT_ANSWER_TTL_S]
+    fenced = "Here it is:\n```python\ndef f(x):\n    return x + 3\n```\n"
+    assert list(answer_digests(fenced).values()) == [ANSWER_TTL_S, ANSWER_TTL_S]
+    assert answer_digests("  \n ") == {}
+    # Whitespace is not the answer: a client's copy with other line ends still finds it.
+    assert answer_digests(fenced).keys() == answer_digests(fenced.replace("\n", "\r\n")).keys()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -25,3 +26,26 @@ def test_an_unknown_split_is_a_usage_error() -> None:
     result = CliRunner().invoke(cli, ["--api-key", "k", "--split", "test"])
     assert result.exit_code == 2
     assert "--split" in result.output
+
+
+def test_the_client_is_chosen_on_the_command_line_and_named_in_the_report() -> None:
+    gone = f"http://127.0.0.1:{free_port()}"
+    arguments = ["--gateway", gone, "--api-key", "k", "--users", "1", "--tasks", "1"]
+    result = CliRunner().invoke(cli, [*arguments, "--time-scale", "0", "--client", "stock"])
+    assert result.exit_code == 1, result.output
+    assert "client: stock" in result.output
+
+
+@pytest.mark.parametrize(
+    ("arguments", "option"),
+    [
+        (["--client", "cline"], "--client"),
+        (["--client", "stock", "--ide-closes", "0.3"], "--ide-closes"),
+    ],
+)
+def test_a_client_the_simulator_does_not_play_is_a_usage_error(
+    arguments: list[str], option: str
+) -> None:
+    result = CliRunner().invoke(cli, ["--api-key", "k", *arguments])
+    assert result.exit_code == 2
+    assert option in result.output

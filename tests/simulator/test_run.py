@@ -10,7 +10,8 @@ import pytest
 
 from app.embedded.process import free_port
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
-from app.simulator import SimulationReport, Workload, make_population, simulate
+from app.models import ApiKey
+from app.simulator import ClientConfig, SimulationReport, Workload, make_population, simulate
 
 SEED = 2
 """Three patient developers (so nobody abandons), two in privacy mode, both languages."""
@@ -132,6 +133,123 @@ def test_an_agent_simulation_runs_each_task_as_linked_turns_and_judges_the_edit_
     assert sum(e["kind"] == "followup_message" for e in mine) == 6
     verdicts = {e["request_id"] for e in mine if e["kind"] in ("edit_accepted", "edit_rejected")}
     assert {r for r, s in served.items() if s.accepted is not None} <= verdicts
+
+
+def test_an_ideal_client_closed_early_never_reports_the_10_and_15_minute_windows(
+    gateway_url: str, ide_key: str, read_topic: ReadTopic
+) -> None:
+    report = simulate(
+        gateway_url,
+        ide_key,
+        users=3,
+        sessions_per_user=1,
+        tasks_per_session=2,
+        time_scale=0.001,
+        seed=SEED,
+        privacy_share=0.0,
+        client=ClientConfig(ide_closes_share=1.0),
+    )
+
+    assert report.errors == {}
+    assert report.sessions_ended == 3
+    accepted = sum(bool(served.accepted) for served in report.served)
+    sessions = {s.session_id for s in report.served}
+    feedback = read_topic(
+        FEEDBACK_TOPIC,
+        until=lambda events: (
+            sum(e["kind"] == "session_end" and e["session_id"] in sessions for e in events) == 3
+        ),
+    )
+    windows = [
+        e["elapsed_s"]
+        for e in feedback
+        if e["kind"] == "edit_survival" and e["session_id"] in sessions
+    ]
+    assert sorted(windows) == sorted([30.0, 120.0, 300.0] * accepted)
+
+
+def test_a_stock_client_names_no_session_and_reports_nothing(
+    gateway_url: str, ide_key: str, read_topic: ReadTopic
+) -> None:
+    report = simulate(
+        gateway_url,
+        ide_key,
+        users=3,
+        sessions_per_user=1,
+        tasks_per_session=2,
+        time_scale=0.001,
+        seed=SEED,
+        privacy_share=0.0,
+        concurrency=4,
+        agent=True,
+        client=ClientConfig(mode="stock"),
+    )
+
+    assert report.errors == {}
+    assert report.client == "stock"
+    assert report.feedback_batches_sent == report.continue_events_sent == 0
+    assert report.sessions_started == report.sessions_ended == 3
+    assert not any(served.verdict_reported for served in report.served)
+    served = {s.request_id: s for s in report.served}
+    assert len(served) == report.requests_ok == sum(run.turns for run in report.runs)
+    # The gateway derived each run's session (its key, user and opening message) and said so.
+    assert all(s.session_id.startswith("auto-") for s in served.values())
+    completions = read_topic(
+        COMPLETIONS_TOPIC, until=lambda events: served.keys() <= {e["request_id"] for e in events}
+    )
+    logged = {e["request_id"]: e for e in completions if e["request_id"] in served}
+    assert logged.keys() == served.keys()
+    assert all(e["session_id"] == served[r].session_id for r, e in logged.items())
+    assert sum(e["malformed_tool_calls"] > 0 for e in logged.values()) == report.malformed_turns
+
+
+def test_a_continue_client_posts_its_own_events_and_the_gateway_joins_them(
+    gateway_url: str, make_key: Callable[..., tuple[ApiKey, str]], read_topic: ReadTopic
+) -> None:
+    _, key = make_key(rate_limit_per_minute=100_000)
+    # Every developer looks at every edit, and rates every final answer.
+    client = ClientConfig(
+        mode="continue",
+        unlooked_edit_share=0.0,
+        nocode_share=0.0,
+        old_schema_share=0.0,
+        thumbs_up_share=1.0,
+    )
+    report = simulate(
+        gateway_url,
+        key,
+        users=3,
+        sessions_per_user=1,
+        tasks_per_session=2,
+        time_scale=0.001,
+        seed=SEED,
+        privacy_share=0.0,
+        concurrency=4,
+        agent=True,
+        client=client,
+    )
+
+    assert report.errors == {}
+    assert report.feedback_batches_sent == 0
+    assert report.continue_events_sent > 0 and report.continue_events_failed == 0
+    assert sum(report.continue_outcomes.values()) == report.continue_events_sent
+    # An edit's tool call id names the request that made it: never unjoinable, never twice.
+    assert report.continue_outcomes["toolUsage:unjoinable"] == 0
+    assert report.continue_events_by_outcome["duplicate"] == 0
+    served = {s.request_id: s for s in report.served}
+    mapped = report.continue_feedback_mapped
+    feedback = read_topic(
+        FEEDBACK_TOPIC,
+        until=lambda events: sum(e["request_id"] in served for e in events) >= mapped,
+    )
+    mine = [e for e in feedback if e["request_id"] in served]
+    assert len(mine) == mapped
+    verdicts = {e["request_id"] for e in mine if e["kind"] in ("edit_accepted", "edit_rejected")}
+    told = {r for r, s in served.items() if s.verdict_reported}
+    assert told <= verdicts
+    # The gateway also reads a verdict into a failed call to a tool that sounds like an edit.
+    assert verdicts - told <= {r for r, s in served.items() if s.malformed_calls}
+    assert all(e["session_id"] == served[e["request_id"]].session_id for e in mine)
 
 
 def test_gateway_errors_are_counted_and_the_run_still_finishes(gateway_url: str) -> None:

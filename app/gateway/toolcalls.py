@@ -16,7 +16,8 @@ from app.gateway.schemas import ToolSpec
 
 # Tool names that write to the user's files, as IDE agents name them.
 _EDIT_TOOL = re.compile(
-    r"(edit|write|patch|replace|insert|apply|create_file|update_file|modify|rename|delete_file)",
+    r"(edit|write|patch|replace|insert|apply|create_file|new_file|update_file|modify|rename|"
+    r"delete_file)",
     re.IGNORECASE,
 )
 # `[ \t]`, not `\s`: `^\s*` would scan every newline after each line start (quadratic).

@@ -8,6 +8,7 @@ from app.gateway.schemas import ToolSpec
 from app.gateway.toolcalls import (
     ToolSchemas,
     asks_clarifying_question,
+    is_edit_tool,
     looks_like_edit_request,
     proposes_edit,
 )
@@ -73,6 +74,22 @@ def test_edits_and_clarifying_questions() -> None:
     assert not asks_clarifying_question("```py\nx?\n```\nLike this?", nothing)
     assert not asks_clarifying_question("Which file?", search_call)
     assert not asks_clarifying_question("Done.", nothing)
+
+
+def test_the_edit_tools_of_stock_agents_are_edits_and_their_reads_are_not() -> None:
+    edits = (
+        "edit_existing_file",
+        "create_new_file",
+        "single_find_and_replace",
+        "write_to_file",
+        "apply_diff",
+        "replace_in_file",
+        "insert_content",
+        "edit_file",
+    )
+    reads = ("read_file", "ls", "grep_search", "run_terminal_command", "search_files")
+    assert all(is_edit_tool(name) for name in edits)
+    assert not any(is_edit_tool(name) for name in reads)
 
 
 def test_edit_requests_are_guessed_from_the_last_user_message() -> None:

@@ -49,6 +49,7 @@ from app.models import (
 from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
 from app.signals.rewards import LATEST_REWARD_VERSION
+from app.simulator.clients import ClientConfig
 from app.simulator.report import SimulationReport
 from app.simulator.run import simulate
 from app.simulator.scorecard import Scorecard, scorecard_table, scorecards
@@ -123,6 +124,9 @@ class DemoConfig:
     """Leave the stack running after the summary."""
     agent: bool = True
     """Agent sessions (tools, workspaces, runs of calls); False: one-turn answers."""
+    client: ClientConfig = field(default_factory=ClientConfig)
+    """The IDE client every simulated developer uses (`app.simulator.clients`); the ideal one
+    reports every signal the canary decisions read."""
     scenario: Scenario = "learning"
     """`reward-hacking`: start on the flawed formula 0 and let the monitors catch it."""
     progress_bars: bool = True
@@ -370,6 +374,71 @@ def ab_table(body: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def predictions(gateway_url: str, analyst_key: str) -> dict[str, Any]:
+    """The scoreboard of predicted against realized A/Bs, from `/analytics/predictions`."""
+    response = httpx.get(
+        f"{gateway_url}/analytics/predictions",
+        headers={"Authorization": f"Bearer {analyst_key}"},
+        timeout=60,
+    )
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def prediction_table(body: dict[str, Any]) -> str:
+    """Each candidate's mean reward and kept rate as predicted before its canary, against
+    what the canary realized, as text."""
+    lines = [
+        "predicted (from production's logs, before the canary) vs realized (the canary's A/B):",
+        f"{'candidate':<10} {'metric':<12} {'predicted':<26} {'realized':<26} sign  in-CI  trust",
+    ]
+    for record in reversed(body["records"]):
+        for metric in record["metrics"]:
+            if metric["metric"] not in ("mean_reward", "kept"):
+                continue
+            predicted = _difference(
+                metric["predicted"], metric["predicted_ci_low"], metric["predicted_ci_high"]
+            )
+            realized = (
+                "-"
+                if metric["realized"] is None
+                else _difference(
+                    metric["realized"], metric["realized_ci_low"], metric["realized_ci_high"]
+                )
+            )
+            flags = [
+                "-" if flag is None else ("yes" if flag else "no")
+                for flag in (metric["sign_agrees"], metric["realized_in_interval"])
+            ]
+            trust = (
+                "reliable"
+                if metric["reliable"]
+                else "unreliable: " + "; ".join(metric["unreliable"])
+            )
+            lines.append(
+                f"{record['checkpoint'] or record['status']:<10} {metric['metric']:<12}"
+                f" {predicted:<26} {realized:<26} {flags[0]:<5} {flags[1]:<6} {trust}"
+            )
+    for score in body["scores"]:
+        if score["compared"]:
+            shares = [
+                "-" if score[name] is None else f"{score[name]:.0%}"
+                for name in ("sign_agreement", "realized_in_interval")
+            ]
+            lines.append(
+                f"{score['metric']}: {score['compared']} reliable predictions compared, sign "
+                f"agreed {shares[0]}, realized inside the interval {shares[1]}"
+            )
+    return "\n".join(lines)
+
+
+def _difference(value: float, low: float | None, high: float | None) -> str:
+    if low is None or high is None:
+        return f"{value:+.3f}"
+    return f"{value:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
 def treatment_kept(body: dict[str, Any]) -> dict[str, Any]:
     arm = next(a for a in body["arms"] if not a["is_control"])
     kept: dict[str, Any] = arm["metrics"]["kept"]
@@ -407,6 +476,9 @@ class DemoSummary:
     offline: dict[str, Comparison | None] = field(default_factory=dict)
     """Agent mode: the final checkpoint minus base on `offline_runs` held-out runs sampled
     offline, per `trainer.agent_runs.RUN_METRICS` name, with intervals over runs."""
+    predictions: dict[str, Any] = field(default_factory=dict)
+    """The scoreboard of each candidate's predicted against its canary's realized A/B
+    (`GET /analytics/predictions`)."""
 
     scenario: Scenario = "learning"
 
@@ -508,6 +580,8 @@ def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print)
         summary.cycles = records
         summary.scenario = config.scenario
         progress("\n" + cycle_table(records))
+        summary.predictions = predictions(gateway, keys.analyst)
+        progress("\n" + prediction_table(summary.predictions))
         if hacking:
             progress(hacking_verdict(summary))
         progress(f"\nlineage: {' -> '.join(lineage)}")
@@ -563,6 +637,7 @@ def run_traffic(
             split=split,
             concurrency=concurrency,
             agent=config.agent,
+            client=config.client,
             progress=lambda report: advance(report.sessions_ended),
         )
 

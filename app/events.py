@@ -53,6 +53,8 @@ class CompletionEvent(Event):
     privacy: bool = False
     edit_requested: bool = False
     """Whether the run asked for an edit (its first turn decides for the turns after it)."""
+    tools_declared: bool = False
+    """Whether the request declared tools (agent traffic rather than one-turn chat)."""
     trajectory_id: str | None = Field(default=None, max_length=128)
     """The agent run: the request id of its first turn."""
     turn_index: int = Field(default=0, ge=0)

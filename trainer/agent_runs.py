@@ -22,11 +22,11 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from app.abtest.stats import Comparison, compare_ratios, user_ratio
 from app.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace, agent_tasks, written_calls
-from app.serving.parity import CompletionBatch
 from app.tasks import heldout_tasks
 from trainer.config import TrainConfig
+from trainer.evaluate import Reference
 from trainer.generation import generate_answers
-from trainer.task_family import EVAL_SEED, reference_batch
+from trainer.task_family import EVAL_SEED, agent_reference_batch, reference_batch
 
 
 @dataclass
@@ -232,7 +232,7 @@ class AgentTaskHeldOut:
 
     Runs are sampled with one fixed seed, so production and candidate meet the same tasks
     in the same random stream. How far a policy moved is measured on the task family's
-    reference answers, as in that gate."""
+    reference answers and agent turns, as in that gate."""
 
     tasks: int
     """How many held-out agent tasks (one run each)."""
@@ -248,8 +248,11 @@ class AgentTaskHeldOut:
     def withheld_percent(self) -> int:
         return 0  # the tasks are generated, never served
 
-    def reference(self, tokenizer: PreTrainedTokenizerFast) -> CompletionBatch:
-        return reference_batch(tokenizer, heldout_tasks(EVAL_SEED, self.tasks))
+    def reference(self, tokenizer: PreTrainedTokenizerFast) -> Reference:
+        return Reference(
+            answers=reference_batch(tokenizer, heldout_tasks(EVAL_SEED, self.tasks)),
+            agent_turns=agent_reference_batch(tokenizer, self.tasks),
+        )
 
     def pass_rate(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -> float:
         return clean_solve_rate(run_agents(model, tokenizer, self._tasks, seed=EVAL_SEED))

@@ -30,10 +30,9 @@ from app.models import (
     TrainingRun,
     TrainingRunStatus,
 )
-from app.registry.audit import Actor
+from app.registry.audit import Actor, audit
 from app.registry.experiments import start_canary
 from app.serving.checkpoints import publish_checkpoint, reconcile
-from app.serving.parity import CompletionBatch
 from trainer.config import TrainConfig
 from trainer.data import (
     OnPolicyBatch,
@@ -43,10 +42,18 @@ from trainer.data import (
 )
 from trainer.distributed import SINGLE, World, share
 from trainer.drift import drift_limits, measure_drift
-from trainer.evaluate import HeldOut, HeldOutUnavailable, gate, kl_to_production, trainable_state
+from trainer.evaluate import (
+    HeldOut,
+    HeldOutUnavailable,
+    Reference,
+    gate,
+    kl_to_production,
+    trainable_state,
+)
 from trainer.lock import trainer_lock
 from trainer.metrics import record_run
 from trainer.policy import load_trainable_policy, pick_device, policy_dtype
+from trainer.prediction import LoggedSlice, hold_reason, prediction_summary
 from trainer.update import sharded_logprobs, update_policy
 
 log = logging.getLogger("rtrl.trainer")
@@ -127,7 +134,7 @@ def run_locked_cycle(
             for error in report.errors:
                 progress(f"reconcile: {error}")
         run_id, production, batch, previous = open_run(
-            engine, config, trigger, held_out.withheld_percent
+            engine, config, trigger, max(held_out.withheld_percent, config.prediction_percent)
         )
         progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
         skip = skip_reason(batch, previous, config)
@@ -288,6 +295,7 @@ def finish_run(
     reason: str | None = None,
     stats: dict[str, Any] | None = None,
     eval_results: dict[str, Any] | None = None,
+    prediction: dict[str, Any] | None = None,
     output_checkpoint_id: int | None = None,
 ) -> CycleResult:
     with session_scope(engine) as session:
@@ -296,6 +304,7 @@ def finish_run(
         run.reason = reason
         run.stats = stats if stats is not None else run.stats
         run.eval_results = eval_results if eval_results is not None else run.eval_results
+        run.prediction = prediction if prediction is not None else run.prediction
         run.output_checkpoint_id = output_checkpoint_id
         run.finished_at = datetime.now(UTC)
         name = None
@@ -312,7 +321,7 @@ def train_and_publish(
     *,
     engine: Engine | None = None,
     held_out: HeldOut | None = None,
-    reference: CompletionBatch | None = None,
+    reference: Reference | None = None,
     progress: Callable[[str], None] = log.debug,
     on_published: Callable[[], None] | None = None,
     world: World = SINGLE,
@@ -371,6 +380,8 @@ def train_and_publish(
     production_weights = trainable_state(policy)
     production_pass = held_out.pass_rate(policy, tokenizer)
     progress(f"run {plan.run_id}: production held-out pass rate {production_pass:.3f}")
+    logged = LoggedSlice.select(engine, config, plan.production_id)
+    logged.score_production(policy, config)
 
     stats |= update_policy(policy, samples, old_logprobs, config, device, progress, world)
     stats["reward_mean_before"] = sum(s.reward for s in samples) / len(samples)
@@ -386,6 +397,7 @@ def train_and_publish(
             reference=reference,
             production_weights=production_weights,
             production_pass=production_pass,
+            logged=logged,
             stats=stats,
             progress=progress,
             on_published=on_published,
@@ -405,14 +417,16 @@ def judge_and_publish(
     engine: Engine,
     held_out: HeldOut,
     tokenizer: PreTrainedTokenizerFast,
-    reference: CompletionBatch,
+    reference: Reference,
     production_weights: dict[str, torch.Tensor],
     production_pass: float,
+    logged: LoggedSlice,
     stats: dict[str, Any],
     progress: Callable[[str], None],
     on_published: Callable[[], None] | None,
 ) -> CycleResult:
-    """Rank 0 after the update: the evaluation gate, then save, publish and start a canary."""
+    """Rank 0 after the update: the evaluation gate, the candidate's predicted A/B, then save,
+    publish and start a canary."""
     with session_scope(engine) as session:
         erased = erased_since_selected(session, plan.samples)
     if erased:
@@ -422,17 +436,30 @@ def judge_and_publish(
         return finish_run(
             engine, plan.run_id, TrainingRunStatus.rejected, reason=reason, stats=stats
         )
+    prediction = logged.predict(policy, config, plan.window)
+    if prediction is not None:
+        progress(f"run {plan.run_id}: {prediction_summary(prediction)}")
     candidate_pass = held_out.pass_rate(policy, tokenizer)
-    kl = kl_to_production(policy, production_weights, reference)
+    kl = kl_to_production(policy, production_weights, reference.answers)
+    agent_kl = (
+        kl_to_production(policy, production_weights, reference.agent_turns)
+        if reference.agent_turns is not None
+        else None
+    )
     result = gate(
         held_out.name,
         production_pass,
         candidate_pass,
         kl,
+        agent_kl,
         max_regression=config.eval_max_regression,
         max_kl=config.eval_max_kl,
     )
-    progress(f"run {plan.run_id}: candidate held-out pass rate {candidate_pass:.3f}, KL {kl:.4f}")
+    on_agent_turns = f", {agent_kl:.4f} on agent turns" if agent_kl is not None else ""
+    progress(
+        f"run {plan.run_id}: candidate held-out pass rate {candidate_pass:.3f}, KL to "
+        f"production {kl:.4f} on answers{on_agent_turns}"
+    )
     if not result.passed:
         progress(f"run {plan.run_id}: rejected: {result.reason}")
         return finish_run(
@@ -442,6 +469,29 @@ def judge_and_publish(
             reason=result.reason,
             stats=stats,
             eval_results=result.as_dict(),
+            prediction=prediction,
+        )
+    margin = config.prediction_gate_margin
+    held = None if prediction is None or margin is None else hold_reason(prediction, margin)
+    if held is not None and prediction is not None:
+        progress(f"run {plan.run_id}: held before its canary: {held}")
+        with session_scope(engine) as session:
+            audit(
+                session,
+                TRAINER_ACTOR,
+                "training_run.held",
+                f"training_run:{plan.run_id}",
+                None,
+                {"reason": held, "prediction": prediction["kinds"]["all"]["mean_reward"]},
+            )
+        return finish_run(
+            engine,
+            plan.run_id,
+            TrainingRunStatus.rejected,
+            reason=held,
+            stats=stats,
+            eval_results=result.as_dict(),
+            prediction=prediction,
         )
 
     adapter_dir = settings.data_dir.resolve() / "runs" / f"run-{plan.run_id}" / "adapter"
@@ -491,6 +541,7 @@ def judge_and_publish(
         reason=f"superseded the canary {superseded}" if superseded else None,
         stats=stats,
         eval_results=result.as_dict(),
+        prediction=prediction,
         output_checkpoint_id=checkpoint.id,
     )
 

@@ -32,6 +32,14 @@ class TrainingSample:
     served_at: datetime
     temperature: float = 1.0
     """vLLM sampled at this temperature and logged the logprobs of that distribution."""
+    tools_declared: bool = False
+    """The request declared tools: agent traffic, not one-turn chat."""
+    turn_index: int = 0
+    """The turn of its run (0: the run's first request)."""
+    edit_requested: bool = False
+    """The run asked for an edit (its first turn decides)."""
+    trajectory_id: str | None = None
+    """The run it belongs to; None: a request alone."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,10 @@ def select_on_policy_batch(
             Reward.reward,
             Sample.served_at,
             Sample.temperature,
+            Sample.tools_declared,
+            Sample.turn_index,
+            Sample.edit_requested,
+            Sample.trajectory_id,
         )
         .join(Reward, Reward.sample_id == Sample.id)
         .where(
@@ -164,6 +176,10 @@ def select_on_policy_batch(
             reward=float(row.reward),
             served_at=row.served_at,
             temperature=row.temperature,
+            tools_declared=row.tools_declared,
+            turn_index=row.turn_index,
+            edit_requested=row.edit_requested,
+            trajectory_id=row.trajectory_id,
         )
         for row in rows
         if len(row.completion_token_ids) == len(row.behaviour_logprobs)

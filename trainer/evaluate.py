@@ -1,5 +1,6 @@
 """The evaluation gate: a held-out pass rate that must not fall, and how far the policy
-moved (KL to production on fixed reference text).
+moved (KL to production on fixed reference text: the held-out set's answers, and its agent
+turns — tool calls and final answers).
 
 What "held out" means belongs to the deployment, not to the cycle: the cycle takes any
 `HeldOut`. Two exist, chosen by RTRL_TRAIN_EVAL_GATE (`trainer.gates`): the toy task
@@ -22,6 +23,18 @@ class HeldOutUnavailable(Exception):
     """The gate has too few held-out cases to judge a candidate; the message says why."""
 
 
+@dataclass(frozen=True)
+class Reference:
+    """Fixed prompts with reference answers, on which the gate measures how far a candidate
+    moved from production."""
+
+    answers: CompletionBatch
+    """The held-out set's own reference answers."""
+    agent_turns: CompletionBatch | None
+    """Agent turns: prompts with tools declared, answered with a tool call or a final answer;
+    None where the held-out set has none."""
+
+
 class HeldOut(Protocol):
     """What the gate scores a policy on."""
 
@@ -36,7 +49,7 @@ class HeldOut(Protocol):
         because the gate scores it; 0 when the held-out set lies elsewhere."""
         ...
 
-    def reference(self, tokenizer: PreTrainedTokenizerFast) -> CompletionBatch:
+    def reference(self, tokenizer: PreTrainedTokenizerFast) -> Reference:
         """Fixed prompts with reference answers, to measure how far a policy moved. The cycle
         calls it first, once per cycle, before training: a gate on live traffic takes its
         snapshot here, and raises HeldOutUnavailable when it has too few cases."""
@@ -110,6 +123,10 @@ class GateResult:
     production_pass_rate: float
     candidate_pass_rate: float
     kl_to_production: float
+    """On the held-out set's reference answers."""
+    agent_kl_to_production: float | None
+    """On held-out agent turns (tool calls, final answers); None when the chat template gives
+    none."""
     passed: bool
     reason: str | None
 
@@ -122,11 +139,13 @@ def gate(
     production_pass_rate: float,
     candidate_pass_rate: float,
     kl_to_production: float,
+    agent_kl_to_production: float | None,
     *,
     max_regression: float,
     max_kl: float,
 ) -> GateResult:
-    """A candidate passes unless it regresses on held-out tasks or drifted too far."""
+    """A candidate passes unless it regresses on held-out tasks or drifted too far on either
+    reference set."""
     reason = None
     if candidate_pass_rate < production_pass_rate - max_regression:
         reason = (
@@ -135,11 +154,14 @@ def gate(
         )
     elif kl_to_production > max_kl:
         reason = f"KL to production {kl_to_production:.3f} exceeds {max_kl}"
+    elif agent_kl_to_production is not None and agent_kl_to_production > max_kl:
+        reason = f"KL to production on agent turns {agent_kl_to_production:.3f} exceeds {max_kl}"
     return GateResult(
         gate=name,
         production_pass_rate=production_pass_rate,
         candidate_pass_rate=candidate_pass_rate,
         kl_to_production=kl_to_production,
+        agent_kl_to_production=agent_kl_to_production,
         passed=reason is None,
         reason=reason,
     )

@@ -22,7 +22,7 @@ from app.db import session_scope
 from app.models import Reward, Sample
 from app.serving.parity import CompletionBatch, completion_batch, completion_logprobs
 from trainer.data import not_erased, withheld
-from trainer.evaluate import HeldOutUnavailable
+from trainer.evaluate import HeldOutUnavailable, Reference
 
 REFERENCE_TOKENS = 64
 """Completion tokens of each kept case the KL to production is measured on."""
@@ -32,6 +32,7 @@ REFERENCE_TOKENS = 64
 class LoggedCompletion:
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
+    tools_declared: bool = False
 
 
 def held_out_completions(
@@ -41,7 +42,7 @@ def held_out_completions(
     kept_share = cast(Reward.components["kept"].astext, Float)
     with session_scope(engine) as session:
         rows = session.execute(
-            select(Sample.prompt_token_ids, Sample.completion_token_ids)
+            select(Sample.prompt_token_ids, Sample.completion_token_ids, Sample.tools_declared)
             .join(Reward, Reward.sample_id == Sample.id)
             .where(
                 withheld(percent),
@@ -58,7 +59,15 @@ def held_out_completions(
             .order_by(Sample.served_at.desc())
             .limit(limit)
         ).all()
-    return [LoggedCompletion(list(row[0] or []), list(row[1] or [])) for row in rows]
+    return [LoggedCompletion(list(row[0] or []), list(row[1] or []), row[2]) for row in rows]
+
+
+def reference_of(cases: list[LoggedCompletion]) -> CompletionBatch:
+    """The cases' prompts and the first `REFERENCE_TOKENS` tokens of their completions."""
+    return completion_batch(
+        [case.prompt_token_ids for case in cases],
+        [case.completion_token_ids[:REFERENCE_TOKENS] for case in cases],
+    )
 
 
 def pairs_passed(kept: torch.Tensor, rejected: torch.Tensor) -> float:
@@ -93,7 +102,7 @@ class LoggedTrafficHeldOut:
     def withheld_percent(self) -> int:
         return self.percent
 
-    def reference(self, tokenizer: PreTrainedTokenizerFast) -> CompletionBatch:
+    def reference(self, tokenizer: PreTrainedTokenizerFast) -> Reference:
         self._kept = held_out_completions(self.engine, self.percent, self.cases, kept=True)
         self._rejected = held_out_completions(self.engine, self.percent, self.cases, kept=False)
         if min(len(self._kept), len(self._rejected)) < self.min_cases:
@@ -102,9 +111,10 @@ class LoggedTrafficHeldOut:
                 f"held-out completions (the {self.percent}% of traffic never trained on), "
                 f"fewer than {self.min_cases} of each"
             )
-        return completion_batch(
-            [case.prompt_token_ids for case in self._kept],
-            [case.completion_token_ids[:REFERENCE_TOKENS] for case in self._kept],
+        agent_turns = [case for case in self._kept if case.tools_declared]
+        return Reference(
+            answers=reference_of(self._kept),
+            agent_turns=reference_of(agent_turns) if agent_turns else None,
         )
 
     def pass_rate(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -> float:

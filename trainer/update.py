@@ -65,7 +65,7 @@ def sharded_logprobs(
     return gather_shards(logprobs, len(samples), world)
 
 
-STAT_NAMES = ("loss", "mean_ratio", "clip_fraction", "mean_tis_weight", "kl_to_base")
+STAT_NAMES = ("loss", "mean_ratio", "clip_fraction", "mean_tis_weight", "kl_to_production")
 
 
 def update_policy(
@@ -79,15 +79,12 @@ def update_policy(
 ) -> dict[str, float]:
     """Epochs of clipped policy-gradient steps over the batch; returns the run's statistics.
 
-    `old_logprobs` are the policy's own before the update (the PPO ratio's denominator)."""
+    `old_logprobs` are the policy's own before the update: production's, the PPO ratio's
+    denominator and the KL penalty's anchor."""
     prompts = [s.prompt_token_ids for s in samples]
     completions = [s.completion_token_ids for s in samples]
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-    base_logprobs = None
-    if config.kl_coef > 0:
-        with policy.disable_adapter():  # type: ignore[operator]
-            base_logprobs = sharded_logprobs(policy, samples, config, world)
-    advantage = advantages([s.reward for s in samples], [tuple(p) for p in prompts])
+    advantage = advantages(samples, config.baseline)
 
     trainable = [p for p in policy.parameters() if p.requires_grad]
     ddp = None
@@ -145,11 +142,6 @@ def update_policy(
                         batch.completion_mask.to(device),
                         clip_epsilon=config.clip_epsilon,
                         tis_cap=config.tis_cap,
-                        base_logprobs=(
-                            right_aligned([base_logprobs[i] for i in group], width).to(device)
-                            if base_logprobs is not None
-                            else None
-                        ),
                         kl_coef=config.kl_coef,
                     )
                     micro_tokens = int(batch.completion_mask.sum())

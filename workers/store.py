@@ -78,6 +78,7 @@ def sample_row(event: CompletionEvent) -> dict[str, Any]:
         and untruncated_sampling(event)
         and not event.sampling_constraints,
         "edit_requested": event.edit_requested,
+        "tools_declared": event.tools_declared,
         "proposed_edit": event.proposed_edit,
         "clarifying_question": event.clarifying_question,
         "prompt_messages": None if private else without_nul(event.prompt_messages),

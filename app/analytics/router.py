@@ -20,10 +20,12 @@ from app.analytics.schemas import (
     ExperimentBrief,
     ExperimentResults,
     LineageNode,
+    PredictionScoreboard,
     TimeSeries,
     TrainingRunBrief,
     Window,
 )
+from app.analytics.scoreboard import prediction_scoreboard
 from app.http.errors import ApiError
 
 router = APIRouter(prefix="/analytics", tags=["analytics"], dependencies=[Depends(analyst)])
@@ -131,6 +133,17 @@ async def training_runs(
 ) -> list[TrainingRunBrief]:
     """The latest training runs with their outcome and serving/training drift."""
     return await service.training_runs(session, limit)
+
+
+@router.get("/predictions", response_model=PredictionScoreboard)
+async def predictions(
+    request: Request, session: Session, limit: Annotated[int, Query(ge=1, le=200)] = 20
+) -> PredictionScoreboard:
+    """Each candidate's A/B as predicted from production's logs before its canary, beside
+    what the canary realized (treatment minus control, over users), and per metric how often
+    they agreed: sign, the realized difference inside the predicted interval, error."""
+    await service.refresh_if_stale(request.app.state.session_maker)
+    return await prediction_scoreboard(session, limit)
 
 
 async def _results(

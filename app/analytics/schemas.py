@@ -190,3 +190,65 @@ class TrainingRunBrief(BaseModel):
     """Mean per-token KL(vLLM ‖ trainer), k3 estimator."""
     drift_capped_share: float | None
     """Share of tokens whose truncated importance weight hit its cap."""
+
+
+class PredictedMetric(BaseModel):
+    """One metric of a candidate: predicted before its canary, and what its canary realized.
+    Both are treatment (candidate) minus control (production), in the A/B's units."""
+
+    metric: str
+    predicted: float
+    predicted_ci_low: float | None
+    predicted_ci_high: float | None
+    reliable: bool
+    unreliable: list[str]
+    """Why the prediction is not to be acted on (empty when it is)."""
+    effective_samples: float
+    pareto_k: float | None
+    realized: float | None
+    """None until the canary has users on both arms with this metric."""
+    realized_ci_low: float | None
+    realized_ci_high: float | None
+    sign_agrees: bool | None
+    realized_in_interval: bool | None
+    """The realized difference fell inside the predicted interval."""
+    consistent: bool | None
+    """|predicted − realized| within 1.96 × the combined standard error of both (the A/B's
+    own noise counted, which `realized_in_interval` ignores)."""
+    error: float | None
+    """Predicted minus realized."""
+
+
+class PredictionRecord(BaseModel):
+    training_run_id: int
+    checkpoint: str | None
+    """The candidate (None when the run published nothing: rejected or held)."""
+    status: str
+    experiment_id: int | None
+    """Its canary experiment, once it has one."""
+    predicted_at: datetime | None
+    samples: int
+    """Logged completions of production the prediction was made on."""
+    identity_passed: bool
+    """Re-scoring production gave log-ratios near 0 against the logged logprobs."""
+    metrics: list[PredictedMetric]
+    """Over all traffic; per traffic kind in `GET /admin/training-runs`' prediction."""
+
+
+class PredictionScore(BaseModel):
+    """How well predictions of one metric agreed with their canaries so far."""
+
+    metric: str
+    compared: int
+    """Reliable predictions with a realized difference."""
+    unreliable_share: float | None
+    """Of the predictions with a realized difference, the share flagged unreliable."""
+    sign_agreement: float | None
+    realized_in_interval: float | None
+    consistent: float | None
+    mean_abs_error: float | None
+
+
+class PredictionScoreboard(BaseModel):
+    records: list[PredictionRecord]
+    scores: list[PredictionScore]

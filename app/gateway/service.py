@@ -715,6 +715,7 @@ def completion_event(
         api_key_id=call.api_key_id,
         privacy=private,
         edit_requested=edit_requested,
+        tools_declared=bool(request.tools),
         trajectory_id=placement.trajectory_id,
         turn_index=placement.turn_index,
         parent_request_id=parent.request_id if parent is not None else None,

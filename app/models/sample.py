@@ -61,6 +61,9 @@ class Sample(CreatedAt, Base):
     privacy: Mapped[bool] = mapped_column(Boolean, nullable=False)
     trainable: Mapped[bool] = mapped_column(Boolean, nullable=False)
     edit_requested: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    tools_declared: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    """The request declared tools (agent traffic); part of the state the trainer's baseline
+    is conditioned on."""
     proposed_edit: Mapped[bool] = mapped_column(Boolean, nullable=False)
     clarifying_question: Mapped[bool] = mapped_column(
         Boolean, nullable=False, server_default="false"

@@ -47,6 +47,10 @@ class TrainingRun(Base):
     config: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     stats: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     eval_results: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    prediction: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    """The candidate's A/B predicted from production's logged samples before its canary
+    (`trainer.prediction`): per traffic kind and metric, the difference, interval and
+    diagnostics."""
     base_checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
     output_checkpoint_id: Mapped[int | None] = mapped_column(
         ForeignKey("checkpoints.id"), index=True

@@ -150,6 +150,7 @@ def test_the_dashboard_draws_its_charts_in_a_real_browser(
     assert "clarifying_question_rate" in dom
     assert "Sample ratio of users at first exposure OK" in dom
     assert "switched users (left out)" in dom and "unit of randomization" in dom
+    assert "Predicted vs realized" in dom and "No predictions yet." in dom
 
     screenshot = tmp_path / "dashboard.png"
     with sign_in_page(dashboard_server.url, make_key(Role.analyst)) as url:

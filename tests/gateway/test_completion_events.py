@@ -27,18 +27,29 @@ TOOLS = [
 ]
 
 
-def call(privacy: bool = False) -> ChatCall:
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": "fix a.py"}], "tools": TOOLS}
+def call(
+    privacy: bool = False,
+    *,
+    tools: bool = True,
+    edit_requested: bool = True,
+    session_id: str = "s-1",
+    request_id: str = "r-1",
+    received_at: datetime | None = None,
+) -> ChatCall:
+    """A request about a file: an agent's, with its tools declared, or a chat's without."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "fix a.py"}]}
+    if tools:
+        body["tools"] = TOOLS
     return ChatCall(
         request=ChatRequest.model_validate(body),
         body=body,
-        session_id="s-1",
-        request_id="r-1",
+        session_id=session_id,
+        request_id=request_id,
         user_hash="u" * 64,
         api_key_id=uuid.uuid4(),
         privacy=privacy,
-        edit_requested=True,
-        received_at=datetime.now(UTC),
+        edit_requested=edit_requested,
+        received_at=received_at or datetime.now(UTC),
         started=time.perf_counter() - 0.05,
     )
 
@@ -66,6 +77,18 @@ def streamed_tool_calls() -> CompletionRecord:
     )
     record.prompt_token_ids = [7, 8, 9]
     record.finished_at = time.perf_counter()
+    return record
+
+
+def answered(text: str) -> CompletionRecord:
+    """A whole answer without tool calls, its tokens and logprobs logged."""
+    record = CompletionRecord(completion_token_ids=[1, 2], logprobs=[-0.5, -0.25])
+    record.add_choice(
+        {"index": 0, "message": {"content": text}, "finish_reason": "stop"},
+        message_key="message",
+        now=time.perf_counter(),
+    )
+    record.prompt_token_ids = [7, 8]
     return record
 
 
@@ -117,3 +140,11 @@ def test_a_stream_the_model_server_ended_early_is_truncated_and_never_trained() 
     assert sample_row(completion_event(call(), Assignment("base"), streamed_tool_calls()))[
         "trainable"
     ]
+
+
+def test_whether_the_request_declared_tools_is_logged_and_stored() -> None:
+    agent = completion_event(call(), Assignment("base"), streamed_tool_calls())
+    chat = completion_event(call(tools=False), Assignment("base"), answered("Which file?"))
+
+    assert agent.tools_declared and sample_row(agent)["tools_declared"]
+    assert not chat.tools_declared and not sample_row(chat)["tools_declared"]

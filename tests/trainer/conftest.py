@@ -108,6 +108,7 @@ def start_trainers(tmp_path: Path) -> Iterator[StartTrainers]:
 
     def start(count: int, settings: Settings, **train: object) -> list[RtrlProcess]:
         environment = settings_environment(settings)
+        train = {"prediction_percent": 0} | train  # every stored sample trains
         environment |= {f"RTRL_TRAIN_{name.upper()}": str(value) for name, value in train.items()}
         for _ in range(count):
             name = f"trainer-{len(started) + 1}"

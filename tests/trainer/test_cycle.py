@@ -151,6 +151,7 @@ def fast_config(**overrides: object) -> TrainConfig:
         eval_max_regression=0.25,
         eval_max_kl=5.0,
         threads=1,
+        prediction_percent=0,  # every sample trains; tests/trainer/test_prediction.py predicts
     )
     for name, value in overrides.items():
         setattr(config, name, value)
@@ -193,6 +194,12 @@ def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
         assert run.sample_count == len(base_served)
         assert run.stats is not None and run.stats["tokens_per_s"] > 0
         stats = run.stats
+        # How far the update moved from production: on the tokens it trained on, and on the
+        # gate's fixed answers and agent turns.
+        assert stats["kl_to_production"] > 0
+        assert run.eval_results is not None
+        assert run.eval_results["kl_to_production"] > 0
+        assert run.eval_results["agent_kl_to_production"] > 0
         adapter_path = Path(str(checkpoint.adapter_path))
 
     # Drift was measured on every token vLLM sampled: fp32 on both sides agrees to ~1e-6.

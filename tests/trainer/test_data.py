@@ -6,8 +6,12 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from app.db import session_scope
+from app.gateway.assignment import Assignment
+from app.gateway.service import completion_event
+from app.gateway.trajectories import Placement
 from app.history.erasure import erase_in_database, user_history
 from app.models import Checkpoint, CheckpointStatus
+from tests.gateway.test_completion_events import answered, call, streamed_tool_calls
 from tests.history.conftest import events, history_engine, history_url, served, store
 from tests.workers.conftest import Events
 from trainer.data import cohort_end, erased_since_selected, select_on_policy_batch
@@ -133,3 +137,44 @@ def test_a_run_whose_edit_is_still_open_is_left_out_with_its_final_turns(
         assert cohort_end(session, "ckpt-6", PUBLISHED) == read.served_at
         batch = select_on_policy_batch(session, production, max_samples=10)
     assert [sample.served_at for sample in batch.samples] == [before.served_at]
+
+
+def test_each_sample_keeps_the_state_the_gateway_served_it_in(history_engine: Engine) -> None:
+    """What the model saw before it answered, as the gateway logged it and the worker stored
+    it: whether the request declared tools, the turn of its run, whether the run asked for an
+    edit (the state the trainer's baseline is conditioned on)."""
+    at = PUBLISHED + timedelta(hours=1)
+    events = Events("state", at)
+    agent_turn = completion_event(
+        call(session_id=events.session(1), request_id=events.request(1), received_at=at),
+        Assignment("ckpt-8"),
+        streamed_tool_calls(),
+        Placement("state-run", 2, None),
+    )
+    chat = completion_event(
+        call(
+            tools=False,
+            edit_requested=False,
+            session_id=events.session(2),
+            request_id=events.request(2),
+            received_at=at,
+        ),
+        Assignment("ckpt-8"),
+        answered("What does f do?"),
+    )
+    store(
+        history_engine,
+        agent_turn,
+        events.accepted(1),
+        events.survival(1, 900, 1.0),
+        chat,
+        events.session_end(2),
+        now=at + timedelta(minutes=20),
+    )
+    with session_scope(history_engine) as session:
+        production = published_production(session, "ckpt-8")
+        batch = select_on_policy_batch(session, production, max_samples=10)
+    states = {
+        (s.tools_declared, s.turn_index, s.edit_requested, s.trajectory_id) for s in batch.samples
+    }
+    assert states == {(True, 2, True, "state-run"), (False, 0, False, events.request(2))}

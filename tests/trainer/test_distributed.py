@@ -44,6 +44,7 @@ TRAIN_ENV = {
     "RTRL_TRAIN_EVAL_MAX_REGRESSION": "1",
     "RTRL_TRAIN_EVAL_MAX_KL": "100",
     "RTRL_TRAIN_THREADS": "1",
+    "RTRL_TRAIN_PREDICTION_PERCENT": "0",  # every sample trains
 }
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TOLERANCE = 0.01

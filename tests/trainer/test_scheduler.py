@@ -164,7 +164,7 @@ def test_a_cycle_without_new_evidence_since_the_last_run_from_production_skips(
     store_samples(clean_registry, 70, served_at=served)
     trained = add_run(clean_registry, TrainingRunStatus.published, window_end=served)
     add_run(clean_registry, TrainingRunStatus.failed, window_end=served - MINUTE)  # used nothing
-    config = TrainConfig(min_samples=64, min_new_samples=16)
+    config = TrainConfig(min_samples=64, min_new_samples=16, prediction_percent=0)
     settings = Settings(
         data_dir=tmp_path, vllm_urls=["http://127.0.0.1:9"], base_model=tiny_model_dir
     )

@@ -118,3 +118,27 @@ def test_fp16_with_loss_scaling_takes_the_fp32_steps(
     moved = sum(float(fp32[n].norm() ** 2) for n in b) ** 0.5
     print(f"fp16 vs fp32 LoRA B: relative difference {difference / moved:.3f}")
     assert difference < 0.15 * moved  # measured 0.07; 0.29 when the first step overflowed
+
+
+def test_the_kl_penalty_holds_the_update_nearer_production_and_is_recorded(
+    tiny_model_dir: Path, samples: list[TrainingSample]
+) -> None:
+    device = torch.device("cpu")
+    moved = {}
+    for kl_coef in (0.0, 1.0):
+        config = dataclasses.replace(CONFIG, epochs=4, kl_coef=kl_coef)
+        torch.manual_seed(config.seed)
+        policy = load_trainable_policy(tiny_model_dir, None, config, device)
+        production = sharded_logprobs(policy, samples, config)
+        stats = update_policy(policy, samples, production, config, device, lambda line: None)
+        after = sharded_logprobs(policy, samples, config)
+        # How far the update moved the sampled tokens: mean |Δ logprob| against production.
+        shifts = [
+            abs(new - old)
+            for row, before in zip(after, production, strict=True)
+            for new, old in zip(row, before, strict=True)
+        ]
+        moved[kl_coef] = sum(shifts) / len(shifts)
+        assert stats["kl_to_production"] > 0
+    print(f"mean |Δ logprob| from production: {moved}")
+    assert moved[1.0] < moved[0.0]

@@ -76,6 +76,8 @@ def test_sample_content_is_stored_exactly(conn: Connection, events: Any) -> None
         completion_token_ids=[0, 1, 2**31 - 1, 7, 8, 9, 10],
         behaviour_logprobs=logprobs,
         prompt_messages=[{"role": "user", "content": 'a "quoted" {brace}, 不对\n'}],
+        tools_declared=True,
+        turn_index=2,
     )
     store(conn, completion)
 
@@ -86,6 +88,7 @@ def test_sample_content_is_stored_exactly(conn: Connection, events: Any) -> None
     assert sample.prompt_messages == completion.prompt_messages
     assert sample.prompt_token_ids == [1, 2, 3]
     assert sample.trainable is True
+    assert (sample.tools_declared, sample.turn_index, sample.edit_requested) == (True, 2, True)
 
 
 def test_feedback_before_its_completion_is_joined_when_it_arrives(

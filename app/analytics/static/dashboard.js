@@ -238,6 +238,46 @@ function drawTrainingRuns(table, runs) {
   }
 }
 
+function interval(low, high) {
+  return low === null || high === null ? "" : ` [${format(low)}, ${format(high)}]`;
+}
+
+function drawPredictions(summaryTable, table, scoreboard) {
+  summaryTable.replaceChildren();
+  const summaryHead = node("tr", {}, node("thead", {}, summaryTable));
+  ["metric", "compared", "sign agrees", "realized in interval", "consistent", "mean |error|", "unreliable"]
+    .forEach((h) => node("th", {}, summaryHead, h));
+  const summaryBody = node("tbody", {}, summaryTable);
+  const share = (value) => (value === null ? "–" : `${Math.round(100 * value)}%`);
+  for (const score of scoreboard.scores) {
+    const row = node("tr", { "data-metric": score.metric }, summaryBody);
+    [score.metric, score.compared, share(score.sign_agreement), share(score.realized_in_interval),
+      share(score.consistent), format(score.mean_abs_error), share(score.unreliable_share)]
+      .forEach((cell) => node("td", {}, row, String(cell)));
+  }
+  table.replaceChildren();
+  const head = node("tr", {}, node("thead", {}, table));
+  ["run", "candidate", "metric", "predicted", "realized", "sign", "in interval", "trust"]
+    .forEach((h) => node("th", {}, head, h));
+  const body = node("tbody", {}, table);
+  if (scoreboard.records.length === 0) {
+    node("td", { colspan: 8 }, node("tr", {}, body), "No predictions yet.");
+  }
+  const yesNo = (value) => (value === null ? "–" : value ? "yes" : "no");
+  for (const record of scoreboard.records) {
+    for (const metric of record.metrics) {
+      const row = node("tr", { "data-run": record.training_run_id }, body);
+      [record.training_run_id, record.checkpoint || record.status, metric.metric,
+        format(metric.predicted) + interval(metric.predicted_ci_low, metric.predicted_ci_high),
+        metric.realized === null ? "awaiting canary" : format(metric.realized) + interval(metric.realized_ci_low, metric.realized_ci_high),
+        yesNo(metric.sign_agrees), yesNo(metric.realized_in_interval),
+        metric.reliable ? "reliable" : `unreliable: ${metric.unreliable.join("; ")}`]
+        .forEach((cell) => node("td", {}, row, String(cell)));
+      if (!metric.reliable) row.lastChild.setAttribute("class", "mismatch");
+    }
+  }
+}
+
 function drawAlerts(table, alerts) {
   table.replaceChildren();
   const head = node("tr", {}, node("thead", {}, table));
@@ -257,12 +297,13 @@ function drawAlerts(table, alerts) {
 async function main() {
   const status = document.getElementById("status");
   try {
-    const [experiments, series, checkpoints, alerts, runs] = await Promise.all([
+    const [experiments, series, checkpoints, alerts, runs, scoreboard] = await Promise.all([
       api("/analytics/experiments"),
       api("/analytics/timeseries?bucket=day"),
       api("/analytics/lineage"),
       api("/analytics/alerts"),
       api("/analytics/training-runs"),
+      api("/analytics/predictions"),
     ]);
     const select = document.getElementById("experiment-select");
     for (const experiment of experiments) {
@@ -278,6 +319,8 @@ async function main() {
     drawLineage(document.getElementById("lineage-chart"), checkpoints);
     drawAlerts(document.getElementById("alerts-table"), alerts);
     drawTrainingRuns(document.getElementById("training-runs-table"), runs);
+    drawPredictions(document.getElementById("predictions-summary"),
+      document.getElementById("predictions-table"), scoreboard);
     if (experiments.length > 0) await showExperiment(experiments[0].id);
     document.body.setAttribute("data-ready", "true");
   } catch (error) {

@@ -620,15 +620,11 @@ class Gateway:
             log.exception("completion event for %s is invalid; not logged", call.request_id)
             return
         if event.status == "ok":
-            if record.text:
-                answer = remember_answer(self.redis, call.run_owner, call.request_id, record.text)
-                self._in_background(answer)
-            remembering = self._remember_turn(call, record, event)
-            if call.request.tools:
-                # An agent's turn: the IDE runs the tools and sends the next turn at machine
-                # speed, so the answer waits for the memory. A chat's next turn is a person
-                # typing, seconds after a background write of a millisecond.
-                record.remembering = remembering
+            # The answer waits for the memory (one Redis round trip): an agent's next turn comes
+            # at machine speed once its tools ran, and so does a stock client's without tools
+            # (Aider sends its lint and test fixes back at once); a turn that missed it would
+            # start a run of its own.
+            record.remembering = self._remember_turn(call, record, event)
         status = event.status
         COMPLETIONS.labels(assignment.checkpoint, status).inc()
         COMPLETION_LATENCY.labels(assignment.checkpoint).observe(event.latency_ms / 1000)
@@ -659,6 +655,11 @@ class Gateway:
                 "tool_calls": list(record.tool_calls.values()),
             }
             await self.trajectories.remember(call.run_owner, turn, call.request.messages, answer)
+            if record.text:
+                # After the turn: the run's next turn must not wait behind it.
+                self._in_background(
+                    remember_answer(self.redis, call.run_owner, call.request_id, record.text)
+                )
 
         return self._in_background(remember())
 

@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 from scipy.special import logsumexp
 
 PARETO_K_LIMIT = 0.7
@@ -73,19 +72,22 @@ def normalized_weights(log_weights: np.ndarray) -> np.ndarray:
 
 
 def pareto_k(weights: np.ndarray) -> float | None:
-    """The shape k̂ of a generalized Pareto fitted to the largest weights' excesses (the tail
-    PSIS smooths: the top min(n/5, 3√n)); None with fewer than 5 tail weights."""
+    """The Pareto k̂ of the weights' tail as PSIS computes it (arviz-stats: a generalized Pareto
+    fitted by Zhang and Stephens' method to the largest min(n/5, 3√n) weights); None with
+    fewer than 5 tail weights. Weights that underflowed to 0 count as the smallest float."""
     n = weights.size
-    tail = int(min(n / 5, 3 * math.sqrt(n)))
-    if tail < 5:
+    if int(min(n / 5, 3 * math.sqrt(n))) < 5:
         return None
-    ordered = np.sort(weights)
-    threshold = ordered[-tail - 1]
-    excesses = ordered[-tail:] - threshold
-    if np.all(excesses <= 0):
-        return 0.0
-    shape, _, _ = stats.genpareto.fit(excesses, floc=0)
-    return float(shape)
+    # Imported here: arviz-stats takes a second or two to import and only the trainer needs it.
+    from arviz_stats.base import array_stats
+
+    try:
+        _, k = array_stats.psislw(np.log(np.maximum(weights, np.finfo(np.float64).tiny)))
+    except ValueError as error:
+        if "same" not in str(error):
+            raise
+        return 0.0  # a tail of equal weights: bounded, nothing heavy about it
+    return float(k)
 
 
 def weight_diagnostics(weights: np.ndarray) -> WeightDiagnostics:

@@ -14,6 +14,7 @@ from app.config import SettingsError
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 EvalGate = Literal["task_family", "logged_traffic", "agent_tasks"]
 Baseline = Literal["state", "batch"]
+Layout = Literal["merged", "stepwise"]
 
 
 @dataclass
@@ -59,6 +60,12 @@ class TrainConfig:
     agent cycle (`bench/baseline.py`, 5 seeds): at 0.05 held-out solved runs rose 7.6 pp
     against 8.3 without it, within the seeds' noise, and the update's KL fell by a sixth; at
     0.1 (2 seeds) the gain fell by 2 pp."""
+    layout: Layout = "merged"
+    """How a run's turns are fed (`trainer.sequences`): "merged", consecutive turns whose token
+    ids are an exact prefix of the next turn's prompt as one sequence with loss on the model's
+    tokens only (O(T) tokens for T turns); "stepwise", each turn a row of its own carrying the
+    whole history again (O(T^2)). The same tokens get the same logprobs, loss and gradient
+    either way (up to float rounding); a minibatch holds about `minibatch_size` samples' rows."""
     lora_rank: int = 16
     """LoRA rank (vLLM is started with --max-lora-rank 16)."""
     lora_alpha: int = 32
@@ -141,6 +148,7 @@ class TrainSettings(BaseSettings):
     tis_cap: float = Field(default=2.0, gt=1)
     baseline: Baseline = "state"
     kl_coef: float = Field(default=0.05, ge=0)
+    layout: Layout = "merged"
     lora_rank: int = Field(default=16, ge=1)
     lora_alpha: int = Field(default=32, ge=1)
     lora_target_modules: Annotated[list[str], NoDecode] = Field(

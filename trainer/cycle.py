@@ -51,9 +51,10 @@ from trainer.evaluate import (
     trainable_state,
 )
 from trainer.lock import trainer_lock
-from trainer.metrics import record_run
+from trainer.metrics import record_merge_breaks, record_run
 from trainer.policy import load_trainable_policy, pick_device, policy_dtype
 from trainer.prediction import LoggedSlice, hold_reason, prediction_summary
+from trainer.sequences import layout_rows
 from trainer.update import sharded_logprobs, update_policy
 
 log = logging.getLogger("rtrl.trainer")
@@ -337,9 +338,18 @@ def train_and_publish(
     policy = load_trainable_policy(base_model, production_adapter, config, device)
     samples = plan.samples
 
+    # A run's turns as one sequence where each extends the last (or each turn alone).
+    layout = layout_rows(samples, config.layout)
+    if world.is_main:
+        record_merge_breaks(layout.breaks)
+    progress(
+        f"run {plan.run_id}: {len(samples)} samples as {len(layout.rows)} {config.layout} rows "
+        f"of {layout.tokens_fed} tokens; {layout.breaks} breaks where a turn's prompt did not "
+        f"extend its run's last turn"
+    )
     # Serving/training drift: our logprobs of every token vLLM sampled, against its own.
     # They are also the pre-update policy's logprobs that the PPO ratio divides by.
-    old_logprobs = sharded_logprobs(policy, samples, config, world)
+    old_logprobs = sharded_logprobs(policy, samples, config, world, layout)
     drift = measure_drift(
         [s.behaviour_logprobs for s in samples], old_logprobs, tis_cap=config.tis_cap
     )
@@ -355,6 +365,9 @@ def train_and_publish(
         **{f"drift_limit_{name}": value for name, value in vars(limits).items()},
         "dtype": dtype,
         "ranks": world.size,
+        "layout": config.layout,
+        "rows": len(layout.rows),
+        "merge_breaks": layout.breaks,
     }
     stats = {name: json_number(value) for name, value in stats.items()}
     progress(

@@ -136,13 +136,14 @@ def policy_gradient_loss(
     sampled: the truncated weight corrects the small mismatch between the two engines without
     letting a stale or mismatched token blow up the step. The KL term keeps tokens no
     advantage speaks for (the end of an answer, a tool's name) where production had them.
-    All tensors are [batch, tokens]; `advantages` is [batch]; `mask` marks real tokens.
+    All tensors are [batch, tokens]; `advantages` is [batch] (a row's) or [batch, tokens] (each
+    token its turn's, as merged rows carry them); `mask` marks the trained tokens.
     """
     mask = mask.float()
     tokens = mask.sum().clamp(min=1)
     ratio = torch.exp(logprobs - old_logprobs)
     tis_weight = torch.exp(old_logprobs - behaviour_logprobs).clamp(max=tis_cap).detach()
-    advantage = advantages[:, None]
+    advantage = advantages if advantages.dim() == 2 else advantages[:, None]
     unclipped = ratio * advantage
     clipped = ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon) * advantage
     surrogate = torch.minimum(unclipped, clipped) * tis_weight

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the trainer: how its training runs end.
+"""Prometheus metrics of the trainer: how its training runs end, and where runs' turns could
+not be merged into one sequence.
 
 Served by rank 0 at RTRL_METRICS_PORT when it is set (`rtrl trainer`). The time of the latest
 run of each outcome is read from Postgres at start-up, so an alert on a failed run survives
@@ -24,6 +25,12 @@ LAST_FINISHED = Gauge(
     ["status"],
 )
 
+MERGE_BREAKS = Counter(
+    "rtrl_training_merge_breaks_total",
+    "Places where a run's turns could not be trained as one sequence: a turn's prompt did "
+    "not start with the previous turn's token ids (the client edited or compacted history).",
+)
+
 for _status in TrainingRunStatus:
     if _status is not TrainingRunStatus.running:
         RUNS.labels(_status.value)
@@ -46,3 +53,8 @@ def load_last_finished(engine: Engine) -> None:
     for status, finished_at in latest:
         if finished_at is not None:
             LAST_FINISHED.labels(TrainingRunStatus(status).value).set(finished_at.timestamp())
+
+
+def record_merge_breaks(count: int) -> None:
+    """Count the places a cycle split a run's turns into separate sequences."""
+    MERGE_BREAKS.inc(count)

@@ -1,9 +1,11 @@
 """The update: epochs of clipped policy-gradient steps over the on-policy batch.
 
-Each minibatch is one optimizer step. Its samples are split across ranks (DDP) and, on each
-rank, packed into micro-batches under a padded-token budget; the loss is the token-level
-mean over the whole minibatch however it is split, so the step does not depend on the
-number of ranks or the budget (up to float rounding).
+The batch is fed as rows (`trainer.sequences`): each turn alone, or a run's turns merged
+into one masked sequence. Each minibatch is one optimizer step over about `minibatch_size`
+samples' rows. Its rows are split across ranks (DDP) and, on each rank, packed into
+micro-batches under a padded-token budget; the loss is the token-level mean over the whole
+minibatch however it is split, so the step does not depend on the number of ranks, the
+budget or the layout of the rows (up to float rounding).
 """
 
 from __future__ import annotations
@@ -16,21 +18,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from app.serving.parity import batch_logprobs, completion_batch, completion_logprobs
 from trainer.config import TrainConfig
 from trainer.data import TrainingSample
 from trainer.distributed import SINGLE, World, gather_shards, shard, sum_over_ranks
-from trainer.loss import advantages, policy_gradient_loss
+from trainer.loss import LossStats, advantages, policy_gradient_loss
 from trainer.policy import policy_dtype
+from trainer.sequences import RowBatch, RowLayout, layout_rows, row_batch, row_logprobs
 
-
-def right_aligned(rows: list[list[float]], width: int) -> torch.Tensor:
-    """Per-token values placed at the end of a [len(rows), width] tensor, as batches are."""
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, width - len(row) :] = torch.tensor(row)
-    return out
+CPU = torch.device("cpu")
 
 
 def micro_batches(indices: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -46,23 +41,69 @@ def micro_batches(indices: Sequence[int], lengths: Sequence[int], budget: int) -
     return groups
 
 
+def minibatches(order: Sequence[int], turns: Sequence[int], size: int) -> list[list[int]]:
+    """Rows in `order` cut into minibatches of at most `size` samples (`turns[r]`: row r's);
+    a row of more goes alone. With a sample per row, slices of `size` rows."""
+    groups: list[list[int]] = []
+    count = 0
+    for row in order:
+        if not groups or count + turns[row] > size:
+            groups.append([])
+            count = 0
+        groups[-1].append(row)
+        count += turns[row]
+    return groups
+
+
+@torch.inference_mode()
 def sharded_logprobs(
     policy: torch.nn.Module,
     samples: Sequence[TrainingSample],
     config: TrainConfig,
     world: World = SINGLE,
+    layout: RowLayout | None = None,
 ) -> list[list[float]]:
     """Every sample's completion logprobs under `policy`, at the temperature it was sampled
-    at; each rank computes its share."""
-    mine = [samples[i] for i in shard(len(samples), world)]
-    logprobs = completion_logprobs(
-        policy,
-        [s.prompt_token_ids for s in mine],
-        [s.completion_token_ids for s in mine],
-        temperatures=[s.temperature for s in mine],
-        max_batch_tokens=config.micro_batch_tokens,
+    at, computed on the rows the update feeds (`config.layout`, or `layout`); each rank
+    computes its share of the rows."""
+    rows = (layout or layout_rows(samples, config.layout)).rows
+    device = next(policy.parameters()).device
+    lengths = [len(row.token_ids) for row in rows]
+    mine = shard(len(rows), world)
+    found: dict[int, list[float]] = {}
+    for group in micro_batches(mine, lengths, config.micro_batch_tokens):
+        batch = row_batch([rows[r] for r in group], samples)
+        found |= batch.split(row_logprobs(policy, batch.to(device)).cpu())
+    per_turn = [[found.get(index, []) for index in rows[r].turns] for r in mine]
+    every = gather_shards(per_turn, len(rows), world)
+    logprobs: list[list[float]] = [[] for _ in samples]
+    for row, found_turns in zip(rows, every, strict=True):
+        for index, values in zip(row.turns, found_turns, strict=True):
+            logprobs[index] = values
+    return logprobs
+
+
+def rows_loss(
+    model: torch.nn.Module,
+    batch: RowBatch,
+    old_logprobs: Sequence[Sequence[float]],
+    behaviour_logprobs: Sequence[Sequence[float]],
+    advantage: torch.Tensor,
+    config: TrainConfig,
+    device: torch.device = CPU,
+) -> tuple[torch.Tensor, LossStats]:
+    """The clipped policy-gradient loss of a micro-batch of rows, the mean over its trained
+    tokens: each token with its turn's advantage and its own old and behaviour logprobs."""
+    return policy_gradient_loss(
+        row_logprobs(model, batch.to(device)),
+        batch.per_token(old_logprobs).to(device),
+        batch.per_token(behaviour_logprobs).to(device),
+        batch.per_turn(advantage).to(device),
+        batch.trained.to(device),
+        clip_epsilon=config.clip_epsilon,
+        tis_cap=config.tis_cap,
+        kl_coef=config.kl_coef,
     )
-    return gather_shards(logprobs, len(samples), world)
 
 
 STAT_NAMES = ("loss", "mean_ratio", "clip_fraction", "mean_tis_weight", "kl_to_production")
@@ -77,14 +118,19 @@ def update_policy(
     progress: Callable[[str], None],
     world: World = SINGLE,
 ) -> dict[str, float]:
-    """Epochs of clipped policy-gradient steps over the batch; returns the run's statistics.
+    """Epochs of clipped policy-gradient steps over the batch, fed in `config.layout`;
+    returns the run's statistics.
 
     `old_logprobs` are the policy's own before the update: production's, the PPO ratio's
-    denominator and the KL penalty's anchor."""
-    prompts = [s.prompt_token_ids for s in samples]
-    completions = [s.completion_token_ids for s in samples]
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    denominator and the KL penalty's anchor. Each turn's tokens carry its own advantage and
+    its own behaviour logprobs, whichever row it is in."""
+    layout = layout_rows(samples, config.layout)
+    rows = layout.rows
+    lengths = [len(row.token_ids) for row in rows]
+    turns = [len(row.turns) for row in rows]
+    trained = [sum(len(samples[i].completion_token_ids) for i in row.turns) for row in rows]
     advantage = advantages(samples, config.baseline)
+    behaviour = [s.behaviour_logprobs for s in samples]
 
     trainable = [p for p in policy.parameters() if p.requires_grad]
     ddp = None
@@ -112,10 +158,9 @@ def update_policy(
     policy.train()
     for epoch in range(config.epochs):
         epoch_totals = [0.0] * len(totals)
-        order = torch.randperm(len(samples), generator=generator).tolist()
-        for start in range(0, len(order), config.minibatch_size):
-            minibatch = order[start : start + config.minibatch_size]
-            minibatch_tokens = sum(len(completions[i]) for i in minibatch)
+        order = torch.randperm(len(rows), generator=generator).tolist()
+        for minibatch in minibatches(order, turns, config.minibatch_size):
+            minibatch_tokens = sum(trained[r] for r in minibatch)
             mine = minibatch[world.rank :: world.size]
             # A rank with no sample in a small last minibatch still joins the gradient
             # all-reduce, with a sample whose loss counts zero.
@@ -123,28 +168,14 @@ def update_policy(
             groups = micro_batches(mine or minibatch[:1], lengths, config.micro_batch_tokens)
             optimizer.zero_grad()
             for number, group in enumerate(groups):
-                batch = completion_batch(
-                    [prompts[i] for i in group],
-                    [completions[i] for i in group],
-                    [samples[i].temperature for i in group],
-                )
-                width = batch.width
+                batch = row_batch([rows[r] for r in group], samples)
                 # Gradients are all-reduced once per step, on its last micro-batch.
                 last = number == len(groups) - 1
                 with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
-                    loss, stats = policy_gradient_loss(
-                        batch_logprobs(model, batch.to(device)),
-                        right_aligned([old_logprobs[i] for i in group], width).to(device),
-                        right_aligned([samples[i].behaviour_logprobs for i in group], width).to(
-                            device
-                        ),
-                        advantage[group].to(device),
-                        batch.completion_mask.to(device),
-                        clip_epsilon=config.clip_epsilon,
-                        tis_cap=config.tis_cap,
-                        kl_coef=config.kl_coef,
+                    loss, stats = rows_loss(
+                        model, batch, old_logprobs, behaviour, advantage, config, device
                     )
-                    micro_tokens = int(batch.completion_mask.sum())
+                    micro_tokens = int(batch.trained.sum())
                     scaler.scale(loss * micro_tokens * weight).backward()
                 if weight:
                     values = [getattr(stats, name) for name in STAT_NAMES]
@@ -169,6 +200,9 @@ def update_policy(
     return {
         **{name: totals[k] / tokens for k, name in enumerate(STAT_NAMES)},
         "optimizer_steps": steps,
+        "rows": len(rows),
+        "merge_breaks": layout.breaks,
+        "tokens_fed": layout.tokens_fed * config.epochs,
         "tokens": totals[-1],
         "tokens_per_s": totals[-1] / elapsed if elapsed > 0 else 0.0,
         "update_seconds": elapsed,

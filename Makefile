@@ -10,7 +10,8 @@ VLLM_EXTRA ?= cpu
 PYTEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install lint format test ts-client demo browser promtool alerts services-up services-down
+.PHONY: install lint format test ts-client demo browser promtool alerts services-up services-down \
+	docs docs-serve docs-reference
 
 install: $(STAMP)
 
@@ -36,7 +37,7 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: install lint browser alerts ts-client
+test: install lint browser alerts ts-client docs
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # The TypeScript IDE client: its unit tests, and the build its gateway test (tests/clients) runs.
@@ -65,6 +66,36 @@ alerts: promtool
 		cd ops/prometheus && promtool check config prometheus.yml && promtool test rules alerts_test.yml; \
 	else \
 		echo "promtool not found: skipping the alert rule checks (ops/prometheus)"; \
+	fi
+
+# The documentation site (MkDocs + Material, mkdocs.yml): built in strict mode, so a broken link,
+# a missing page or a page left out of the navigation fails; the reference pages under
+# docs/reference/ are generated from the code (tests/docs fails when they are stale).
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+# Mermaid, which draws the site's diagrams, from its npm package (pinned and checked), so the
+# site renders them offline; without npm the diagrams load mermaid from a CDN in the browser.
+MERMAID_VERSION := 11.17.2
+MERMAID_SHA256 := 581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8
+MERMAID_JS := docs/assets/javascripts/mermaid.min.js
+
+docs: install $(MERMAID_JS)
+	$(MKDOCS) build --strict --quiet
+
+docs-serve: install $(MERMAID_JS)
+	$(MKDOCS) serve
+
+docs-reference: install
+	$(PY) -m app.reference
+
+$(MERMAID_JS):
+	@if command -v npm >/dev/null 2>&1; then \
+		tmp=$$(mktemp -d) && \
+		(cd $$tmp && npm pack --silent mermaid@$(MERMAID_VERSION) >/dev/null) && \
+		tar -xzf $$tmp/mermaid-$(MERMAID_VERSION).tgz -C $$tmp package/dist/mermaid.min.js && \
+		echo "$(MERMAID_SHA256)  $$tmp/package/dist/mermaid.min.js" | sha256sum --check --quiet && \
+		mkdir -p $(@D) && cp $$tmp/package/dist/mermaid.min.js $@ && rm -rf $$tmp; \
+	else \
+		echo "npm not found: the site's diagrams will load mermaid from its CDN"; \
 	fi
 
 demo: install

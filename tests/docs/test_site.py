@@ -50,6 +50,14 @@ AUDIENCE_PAGES = [
     ("reference/settings/", "Reference", "Settings", "HTTP API"),
 ]
 
+# Pages with diagrams, and how many: the loop, the package map, an agent run, the A/B ramp.
+DIAGRAMS = {
+    "": 1,
+    "getting-started/architecture/": 2,
+    "plugin-authors/agent-sessions/": 1,
+    "analysts/": 2,
+}
+
 
 def build_site(site_dir: Path) -> subprocess.CompletedProcess[str]:
     mkdocs = str(MKDOCS) if MKDOCS.exists() else shutil.which("mkdocs") or "mkdocs"
@@ -205,17 +213,21 @@ def test_every_audience_reads_its_pages_with_navigation_search_and_diagrams(
 
             if MERMAID_JS.exists():
                 # Material swaps each <pre class="mermaid"> for a drawn <div> once mermaid has
-                # rendered it; the script is the site's own copy, not a CDN's.
-                drawn = await browser.wait_for(
-                    "document.querySelectorAll('div.mermaid').length > 0"
-                    " && !document.querySelector('pre.mermaid')"
-                )
-                assert drawn, "the home page's diagram was not drawn"
-                scripts = await browser.evaluate(
-                    "performance.getEntriesByType('resource').map(e => e.name)"
-                    ".filter(n => n.includes('mermaid'))"
-                )
-                assert scripts == [f"{site_url}assets/javascripts/mermaid.min.js"]
+                # rendered it (a diagram mermaid cannot parse stays a <pre>); the script is the
+                # site's own copy, not a CDN's.
+                for path, diagrams in DIAGRAMS.items():
+                    if path:
+                        await browser.open(site_url + path)
+                    drawn = await browser.wait_for(
+                        f"document.querySelectorAll('div.mermaid').length === {diagrams}"
+                        " && !document.querySelector('pre.mermaid')"
+                    )
+                    assert drawn, f"the diagrams of /{path} were not drawn"
+                    scripts = await browser.evaluate(
+                        "performance.getEntriesByType('resource').map(e => e.name)"
+                        ".filter(n => n.includes('mermaid'))"
+                    )
+                    assert scripts == [f"{site_url}assets/javascripts/mermaid.min.js"]
 
             for path, tab, title, listed in AUDIENCE_PAGES:
                 page = await browser.open(site_url + path)

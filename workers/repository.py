@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -14,7 +15,6 @@ from psycopg.adapt import Dumper
 from sqlalchemy import (
     ARRAY,
     BigInteger,
-    Column,
     ColumnElement,
     Connection,
     Engine,
@@ -28,6 +28,7 @@ from sqlalchemy import (
     bindparam,
     cast,
     func,
+    null,
     or_,
     select,
     text,
@@ -37,17 +38,19 @@ from sqlalchemy.dialects.postgresql import JSONB, Insert, insert
 
 from app.db import make_engine
 from app.models import Base, FeedbackEventRow, Reward, Sample
+from app.signals.rewards import Signal
 
 samples = Base.metadata.tables[Sample.__tablename__]
 feedback_events = Base.metadata.tables[FeedbackEventRow.__tablename__]
 rewards = Base.metadata.tables[Reward.__tablename__]
 
 # What distillation reads of a sample: metrics only, never the token ids or text.
-SAMPLE_METRIC_COLUMNS: tuple[Column[Any], ...] = (
+SAMPLE_METRIC_COLUMNS: tuple[ColumnElement[Any], ...] = (
     samples.c.id,
     samples.c.request_id,
     samples.c.session_id,
     samples.c.served_at,
+    samples.c.served_at.label("occurred_at"),  # read as the completion's (`Served`)
     samples.c.checkpoint,
     samples.c.user_hash,
     samples.c.api_key_id,
@@ -64,18 +67,27 @@ SAMPLE_METRIC_COLUMNS: tuple[Column[Any], ...] = (
     samples.c.clarifying_question,
 )
 
-# What distillation reads of a feedback event: the signal, never the follow-up's text.
-FEEDBACK_SIGNAL_COLUMNS: tuple[Column[Any], ...] = (
+# What distillation reads of a feedback event: the signal, never the follow-up's text (its
+# verdict, stored at ingest, stands in for it). In the order of `Signal`'s fields, so that a
+# row becomes a signal as `Signal(*row)`.
+FEEDBACK_SIGNAL_COLUMNS: tuple[ColumnElement[Any], ...] = (
+    feedback_events.c.kind,
     feedback_events.c.event_id,
     feedback_events.c.request_id,
     feedback_events.c.session_id,
-    feedback_events.c.kind,
+    feedback_events.c.occurred_at,
     feedback_events.c.elapsed_s,
     feedback_events.c.surviving_share,
+    and_(
+        feedback_events.c.kind == "edit_survival", feedback_events.c.surviving_share.is_(None)
+    ).label("censored"),
+    null().label("message"),
     feedback_events.c.dissatisfied,
-    feedback_events.c.occurred_at,
     feedback_events.c.api_key_id,
 )
+assert [column.name for column in FEEDBACK_SIGNAL_COLUMNS] == [
+    field.name for field in dataclasses.fields(Signal)
+]
 
 # Lock namespace for pg_advisory_xact_lock(namespace, partition); see `lock_partitions`.
 PARTITION_LOCK_NAMESPACE = 0x7274726C  # "rtrl"
@@ -347,6 +359,8 @@ def load_touched_samples(
             rewards.c.components,
             rewards.c.finalized_at,
             rewards.c.finalize_reason,
+            rewards.c.due_at,
+            rewards.c.reward_version,
         )
         .select_from(samples.outerjoin(rewards, rewards.c.sample_id == samples.c.id))
         .where(

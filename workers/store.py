@@ -16,8 +16,6 @@ from sqlalchemy import Connection, Row
 
 from app.events import (
     CompletionEvent,
-    EditAccepted,
-    EditRejected,
     EditSurvival,
     FollowupMessage,
     SessionEnd,
@@ -27,6 +25,8 @@ from app.signals.followup import is_dissatisfied
 from app.signals.rewards import (
     Feedback,
     RewardComponents,
+    Served,
+    Signal,
     compute_reward,
     distil_components,
     evidence_for,
@@ -48,14 +48,6 @@ from workers.repository import (
     set_rewards,
     upsert_rewards,
 )
-
-FEEDBACK_TYPES: dict[str, type[Feedback]] = {
-    "edit_accepted": EditAccepted,
-    "edit_rejected": EditRejected,
-    "edit_survival": EditSurvival,
-    "followup_message": FollowupMessage,
-    "session_end": SessionEnd,
-}
 
 
 def sample_row(event: CompletionEvent) -> dict[str, Any]:
@@ -188,14 +180,25 @@ def store_events(
         return 0
     feedback = feedback_by_sample(conn, touched)
     still_open = [sample for sample in touched if sample.finalized_at is None]
-    upsert_rewards(
-        conn,
-        [reward_row(sample, feedback[sample.id], config, now=now) for sample in still_open],
-    )
+    refreshed = [reward_row(sample, feedback[sample.id], config, now=now) for sample in still_open]
+    changed_open = [
+        row for row, sample in zip(refreshed, still_open, strict=True) if _changed(row, sample)
+    ]
+    upsert_rewards(conn, changed_open)
     final = [s for s in touched if s.finalized_at is not None and s.request_id in evidence]
-    changed = len(still_open) + reconsider_final_rewards(conn, final, feedback, config, now=now)
+    changed = len(changed_open) + reconsider_final_rewards(conn, final, feedback, config, now=now)
     credit_runs(conn, {s.trajectory_id for s in touched if s.trajectory_id}, config.reward_version)
     return changed
+
+
+def _changed(row: dict[str, Any], sample: Row[Any]) -> bool:
+    """Whether a refreshed open reward differs from the one stored (or none is stored yet)."""
+    return (row["components"], row["finalize_reason"], row["due_at"], row["reward_version"]) != (
+        sample.components,
+        sample.finalize_reason,
+        sample.due_at,
+        sample.reward_version,
+    )
 
 
 def credit_runs(conn: Connection, trajectory_ids: Collection[str], version: int) -> None:
@@ -251,7 +254,7 @@ def refresh_rewards(
 def reconsider_final_rewards(
     conn: Connection,
     final_samples: Sequence[Row[Any]],
-    feedback: Mapping[int, Sequence[Feedback]],
+    feedback: Mapping[int, Sequence[Signal]],
     config: WorkerConfig,
     *,
     now: datetime,
@@ -277,14 +280,15 @@ def reconsider_final_rewards(
 
 def reward_row(
     sample: Row[Any],
-    events: Sequence[Feedback],
+    events: Sequence[Signal],
     config: WorkerConfig,
     *,
     now: datetime,
     sweeping: bool = False,
 ) -> dict[str, Any]:
     """The reward record of a sample given all its feedback, final or still open at `now`."""
-    completion = _completion_of(sample)
+    # The sample's row carries what distillation reads of its completion (`Served`).
+    completion: Served = sample
     events = evidence_for(completion, events)
     components = distil_components(
         completion,
@@ -313,64 +317,26 @@ def reward_row(
     }
 
 
-def feedback_by_sample(conn: Connection, sample_rows: Sequence[Row[Any]]) -> dict[int, list[Any]]:
+def feedback_by_sample(
+    conn: Connection, sample_rows: Sequence[Row[Any]]
+) -> dict[int, list[Signal]]:
     """Every feedback event of each sample (its request's, and its session's end), by sample id."""
-    by_request: dict[str, list[Feedback]] = defaultdict(list)
-    ends_by_session: dict[str, list[Feedback]] = defaultdict(list)
+    by_request: dict[str, list[Signal]] = defaultdict(list)
+    ends_by_session: dict[str, list[Signal]] = defaultdict(list)
     signals = load_feedback_signals(
         conn, [s.request_id for s in sample_rows], {s.session_id for s in sample_rows}
     )
     for row in signals:
         if row.kind == "session_end":
-            ends_by_session[row.session_id].append(_feedback_of(row))
+            ends_by_session[row.session_id].append(_signal_of(row))
         else:
-            by_request[row.request_id].append(_feedback_of(row))
+            by_request[row.request_id].append(_signal_of(row))
     return {
         s.id: by_request.get(s.request_id, []) + ends_by_session.get(s.session_id, [])
         for s in sample_rows
     }
 
 
-def _completion_of(sample: Row[Any]) -> CompletionEvent:
-    # model_validate of a dict runs in pydantic-core: 3x faster than model_construct.
-    return CompletionEvent.model_validate(
-        {
-            "session_id": sample.session_id,
-            "request_id": sample.request_id,
-            "occurred_at": sample.served_at,
-            "checkpoint": sample.checkpoint,
-            "user_hash": sample.user_hash,
-            "edit_requested": sample.edit_requested,
-            "proposed_edit": sample.proposed_edit,
-            "status": sample.status,
-            "ttft_ms": sample.ttft_ms,
-            "ttft_measured": sample.ttft_measured,
-            "api_key_id": sample.api_key_id,
-            "latency_ms": sample.latency_ms,
-            "completion_tokens": sample.completion_tokens,
-            "tool_calls": sample.tool_calls,
-            "malformed_tool_calls": sample.malformed_tool_calls,
-            "clarifying_question": sample.clarifying_question,
-        }
-    )
-
-
-def _feedback_of(row: Row[Any]) -> Feedback:
-    fields: dict[str, Any] = {
-        "event_id": row.event_id,
-        "session_id": row.session_id,
-        "request_id": row.request_id,
-        "occurred_at": row.occurred_at,
-    }
-    if row.kind == "edit_survival":
-        fields |= {
-            "elapsed_s": row.elapsed_s,
-            "surviving_share": row.surviving_share,
-            "censored": row.surviving_share is None,
-        }
-    elif row.kind == "followup_message":
-        # The verdict stored at ingest stands in for the text (gone for privacy sessions).
-        fields |= {"message": None, "dissatisfied": row.dissatisfied}
-    elif row.kind == "session_end":
-        fields["api_key_id"] = row.api_key_id
-    return FEEDBACK_TYPES[row.kind].model_validate(fields)
+def _signal_of(row: Row[Any]) -> Signal:
+    fields: tuple[Any, ...] = tuple(row)  # `FEEDBACK_SIGNAL_COLUMNS`, in the order of Signal's
+    return Signal(*fields)

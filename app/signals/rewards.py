@@ -13,14 +13,14 @@ same record whichever event it saw first.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Literal, Protocol
 from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.events import (
-    CompletionEvent,
     CompletionStatus,
     EditAccepted,
     EditRejected,
@@ -166,13 +166,83 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
 LATEST_REWARD_VERSION = max(REWARD_VERSIONS)
 
 
-class Evidence(list[Feedback]):
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """One IDE signal as distillation reads it, whatever its kind: a decoded feedback event
+    (`signal_of`) or a stored one, read straight from its row. Fields its kind lacks are None."""
+
+    kind: str
+    event_id: UUID
+    request_id: str
+    session_id: str
+    occurred_at: datetime
+    elapsed_s: float | None = None
+    surviving_share: float | None = None
+    censored: bool = False
+    message: str | None = None
+    dissatisfied: bool | None = None
+    api_key_id: UUID | None = None
+
+
+def signal_of(event: Feedback | Signal) -> Signal:
+    """The signal a feedback event carries."""
+    if isinstance(event, Signal):
+        return event
+    signal = Signal(
+        event.kind, event.event_id, event.request_id, event.session_id, event.occurred_at
+    )
+    if isinstance(event, EditSurvival):
+        return replace(
+            signal,
+            elapsed_s=event.elapsed_s,
+            surviving_share=event.surviving_share,
+            censored=event.censored,
+        )
+    if isinstance(event, FollowupMessage):
+        return replace(signal, message=event.message, dissatisfied=event.dissatisfied)
+    if isinstance(event, SessionEnd):
+        return replace(signal, api_key_id=event.api_key_id)
+    return signal
+
+
+class Served(Protocol):
+    """What distillation reads of a served completion: its `CompletionEvent`, or its stored row."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def api_key_id(self) -> UUID | None: ...
+    @property
+    def occurred_at(self) -> datetime: ...
+    @property
+    def edit_requested(self) -> bool: ...
+    @property
+    def proposed_edit(self) -> bool: ...
+    @property
+    def status(self) -> CompletionStatus: ...
+    @property
+    def ttft_ms(self) -> float: ...
+    @property
+    def ttft_measured(self) -> bool: ...
+    @property
+    def latency_ms(self) -> float: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+    @property
+    def malformed_tool_calls(self) -> int: ...
+    @property
+    def clarifying_question(self) -> bool: ...
+
+
+class Evidence(list[Signal]):
     """One completion's feedback, deduplicated and in canonical order (see `evidence_for`)."""
 
     request_id: str = ""
 
 
-def evidence_for(completion: CompletionEvent, feedback: Iterable[Feedback]) -> Evidence:
+def evidence_for(completion: Served, feedback: Iterable[Feedback | Signal]) -> Evidence:
     """This completion's feedback, once per event_id, in a canonical order.
 
     A session ends once for all its requests, so `session_end` matches on the session;
@@ -181,51 +251,58 @@ def evidence_for(completion: CompletionEvent, feedback: Iterable[Feedback]) -> E
     """
     if isinstance(feedback, Evidence) and feedback.request_id == completion.request_id:
         return feedback
-    unique: dict[UUID, Feedback] = {}
+    unique: dict[UUID, Signal] = {}
     for event in feedback:
-        if isinstance(event, SessionEnd):
-            if event.session_id != completion.session_id or not _same_key(event, completion):
+        signal = signal_of(event)
+        if signal.kind == "session_end":
+            if signal.session_id != completion.session_id or not _same_key(signal, completion):
                 continue
-        elif event.request_id != completion.request_id:
+        elif signal.request_id != completion.request_id:
             continue
-        unique.setdefault(event.event_id, event)
+        unique.setdefault(signal.event_id, signal)
     evidence = Evidence(
-        sorted(unique.values(), key=lambda event: (event.occurred_at, str(event.event_id)))
+        # UUIDs order as their text does (fixed-width lowercase hex), without formatting it.
+        sorted(unique.values(), key=lambda signal: (signal.occurred_at, signal.event_id))
     )
     evidence.request_id = completion.request_id
     return evidence
 
 
-def _same_key(end: SessionEnd, completion: CompletionEvent) -> bool:
+def _same_key(end: Signal, completion: Served) -> bool:
     """Whether a session's end is the completion's key's (unknown keys are let through)."""
     return end.api_key_id is None or completion.api_key_id in (None, end.api_key_id)
 
 
-def acceptance(events: Sequence[Feedback]) -> bool | None:
+def acceptance(events: Iterable[Signal]) -> bool | None:
     """True when any hunk was accepted, False when only rejected, None when neither was seen.
 
     Any acceptance wins over a rejection: with multi-hunk edits a user accepts some hunks
     and rejects others, and survival then measures what actually stayed.
     """
-    if any(isinstance(e, EditAccepted) for e in events):
+    kinds = {signal.kind for signal in events}
+    if "edit_accepted" in kinds:
         return True
-    if any(isinstance(e, EditRejected) for e in events):
+    if "edit_rejected" in kinds:
         return False
     return None
 
 
-def _survival_at_horizon(reports: Sequence[EditSurvival], horizon_s: float) -> EditSurvival | None:
+def _survival_at_horizon(reports: Sequence[Signal], horizon_s: float) -> Signal | None:
     """The horizon report, else the latest measured one before it; reports after the horizon
     and censored windows (never observed) don't count."""
     in_window = [
-        r for r in reports if not r.censored and r.elapsed_s <= horizon_s + HORIZON_TOLERANCE_S
+        r
+        for r in reports
+        if r.elapsed_s is not None
+        and not r.censored
+        and r.elapsed_s <= horizon_s + HORIZON_TOLERANCE_S
     ]
-    return max(in_window, key=lambda r: r.elapsed_s, default=None)
+    return max(in_window, key=lambda r: r.elapsed_s or 0.0, default=None)
 
 
 def distil_components(
-    completion: CompletionEvent,
-    feedback: Iterable[Feedback],
+    completion: Served,
+    feedback: Iterable[Feedback | Signal],
     *,
     horizon_s: float,
     latency_budget_ms: float,
@@ -243,7 +320,7 @@ def distil_components(
     elif accepted is False:
         kept = 0.0
     else:
-        reports = [e for e in events if isinstance(e, EditSurvival)]
+        reports = [e for e in events if e.kind == "edit_survival"]
         report = _survival_at_horizon(reports, horizon_s)
         if report is not None:
             kept, survival_elapsed_s = report.surviving_share, report.elapsed_s
@@ -252,7 +329,7 @@ def distil_components(
             # window at 0 s. Dropping these edits instead would leave a batch of rejections.
             kept, survival_elapsed_s = 1.0, 0.0
 
-    followups = [e for e in events if isinstance(e, FollowupMessage)]
+    followups = [e for e in events if e.kind == "followup_message"]
     dissatisfied: bool | None = None
     if followups:
         first = followups[0]
@@ -280,7 +357,7 @@ def distil_components(
     )
 
 
-def time_per_output_token(completion: CompletionEvent) -> float | None:
+def time_per_output_token(completion: Served) -> float | None:
     """Generation time per token after the first; None when fewer than two were generated, or
     when the first token's time was not measured."""
     tokens = completion.completion_tokens
@@ -290,22 +367,22 @@ def time_per_output_token(completion: CompletionEvent) -> float | None:
 
 
 def reward_due_at(
-    completion: CompletionEvent,
-    feedback: Iterable[Feedback],
+    completion: Served,
+    feedback: Iterable[Feedback | Signal],
     *,
     horizon_s: float,
     grace_s: float,
 ) -> datetime:
     """Horizon + grace after the first acceptance, or after the completion if never accepted."""
     events = evidence_for(completion, feedback)
-    acceptances = [e.occurred_at for e in events if isinstance(e, EditAccepted)]
+    acceptances = [e.occurred_at for e in events if e.kind == "edit_accepted"]
     start = min(acceptances, default=completion.occurred_at)
     return start + timedelta(seconds=horizon_s + grace_s)
 
 
 def finalize_reason(
-    completion: CompletionEvent,
-    feedback: Iterable[Feedback],
+    completion: Served,
+    feedback: Iterable[Feedback | Signal],
     *,
     horizon_s: float,
     grace_s: float,
@@ -317,16 +394,17 @@ def finalize_reason(
     waits for its horizon report (or horizon + grace), however early the session ended.
     """
     events = evidence_for(completion, feedback)
+    survival = [e for e in events if e.kind == "edit_survival"]
     if any(
-        isinstance(e, EditSurvival)
-        and not e.censored
+        not e.censored
+        and e.elapsed_s is not None
         and e.elapsed_s >= horizon_s - HORIZON_TOLERANCE_S
-        for e in events
+        for e in survival
     ):
         return "horizon"
-    if any(isinstance(e, EditSurvival) and e.censored for e in events):
+    if any(e.censored for e in survival):
         return "censored"
-    if any(isinstance(e, SessionEnd) for e in events) and acceptance(events) is not True:
+    if any(e.kind == "session_end" for e in events) and acceptance(events) is not True:
         return "session_end"
     if now >= reward_due_at(completion, events, horizon_s=horizon_s, grace_s=grace_s):
         return "timeout"
@@ -334,8 +412,8 @@ def finalize_reason(
 
 
 def is_final(
-    completion: CompletionEvent,
-    feedback: Iterable[Feedback],
+    completion: Served,
+    feedback: Iterable[Feedback | Signal],
     *,
     horizon_s: float,
     grace_s: float,

@@ -10,7 +10,10 @@ acceptance, survival at 30 s … 15 min, follow-ups, session ends), and measures
 Beside the wall-clock rates it prints the CPU each side used per event (this process,
 Postgres), which stays comparable on a machine that other work is sharing.
 
-    python -m bench.workers [--completions 5000] [--max-records 2000]
+    python -m bench.workers [--completions 5000] [--max-records 2000] [--parts]
+
+`--parts` also prints where the pipeline's CPU goes, per event: decoding, storing the rows,
+loading what distillation reads, distilling, writing the rewards, and Postgres's share of each.
 
 (from the repository root: run as a file, this module would shadow the `workers` package)
 """
@@ -18,6 +21,8 @@ Postgres), which stays comparable on a machine that other work is sharing.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import logging
 import random
 import tempfile
@@ -192,6 +197,64 @@ class Clocks:
         return measurement
 
 
+PARTS = (
+    ("decode", "workers.consumer", "decode_batch"),
+    ("  of which follow-up verdicts", "workers.store", "is_dissatisfied"),
+    ("store samples", "workers.store", "insert_samples"),
+    ("store feedback", "workers.store", "insert_feedback"),
+    ("load touched samples", "workers.store", "load_touched_samples"),
+    ("load their feedback", "workers.store", "feedback_by_sample"),
+    ("distil rewards", "workers.store", "reward_row"),
+    ("write rewards", "workers.store", "upsert_rewards"),
+    ("whole transaction", "workers.consumer", "_store"),
+)
+"""The pipeline's parts that `--parts` times: (label, module, function); later parts run
+inside "whole transaction", "follow-up verdicts" inside "decode"."""
+
+
+class Parts:
+    """CPU per part of the pipeline, here and in Postgres: wraps the worker's own functions."""
+
+    def __init__(self, clocks: Clocks) -> None:
+        self.clocks = clocks
+        self.cpu_s: dict[str, float] = dict.fromkeys([label for label, _, _ in PARTS], 0.0)
+        self.postgres_s = dict(self.cpu_s)
+        for label, module_name, name in PARTS:
+            module = importlib.import_module(module_name)
+            setattr(module, name, self.timed(label, getattr(module, name)))
+
+    def timed(self, label: str, function: Any) -> Any:
+        # Postgres's CPU is read around the calls that talk to it (a few per batch) only.
+        talks_to_postgres = label.startswith(("store", "load", "write", "whole"))
+
+        @functools.wraps(function)
+        def timed_function(*args: Any, **kwargs: Any) -> Any:
+            postgres = self.clocks.postgres_cpu() if talks_to_postgres else {}
+            started = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.cpu_s[label] += time.thread_time() - started
+                if talks_to_postgres:
+                    now = self.clocks.postgres_cpu()
+                    self.postgres_s[label] += sum(
+                        used - postgres.get(pid, 0.0) for pid, used in now.items()
+                    )
+
+        return timed_function
+
+    def print(self, pipeline: Measurement) -> None:
+        per_event = 1e6 / pipeline.events
+        print(f"{'part':<31} CPU µs per event: here  Postgres")
+        for label, cpu_s in self.cpu_s.items():
+            postgres = self.postgres_s[label] * per_event
+            print(f"{label:<31} {cpu_s * per_event:22.1f}  {postgres:8.1f}")
+        rest = pipeline.worker_cpu_s - self.cpu_s["decode"] - self.cpu_s["whole transaction"]
+        postgres_rest = pipeline.postgres_cpu_s - self.postgres_s["whole transaction"]
+        rest_line = f"{rest * per_event:22.1f}  {postgres_rest * per_event:8.1f}"
+        print(f"{'Kafka, offsets, the rest':<31} {rest_line}")
+
+
 def run_pipeline(
     settings: Settings, config: WorkerConfig, phases: list[list[Event]], clocks: Clocks
 ) -> None:
@@ -282,7 +345,7 @@ def copy_rows(conn: psycopg.Connection, table: str, columns: list[str], rows: li
                 copy.write_row(row)
 
 
-def bench(stack: EmbeddedStack, count: int, max_records: int) -> None:
+def bench(stack: EmbeddedStack, count: int, max_records: int, parts: bool = False) -> None:
     settings = Settings(database_url=stack.postgres.url, kafka_bootstrap_servers=stack.kafka.url)
     config = WorkerConfig.from_settings(
         settings,
@@ -299,12 +362,13 @@ def bench(stack: EmbeddedStack, count: int, max_records: int) -> None:
     # Completions first, then their feedback in time order: a batch of feedback then spans
     # a minute or two of IDE time, so most feedback events refresh a reward, as in production.
     stream = make_stream(count)
-    phases = [
+    phases: list[list[Event]] = [
         [e for e in stream if isinstance(e, CompletionEvent)],
         [e for e in stream if not isinstance(e, CompletionEvent)],
     ]
     print(f"{count} completions and {len(phases[1])} feedback events, batches of {max_records}")
     clocks = Clocks(stack)
+    timed_parts = Parts(clocks) if parts else None
     run_pipeline(settings, config, phases, clocks)
     pipeline = clocks.measurement(len(stream))
     engine = make_worker_engine(stack.postgres.url)
@@ -327,12 +391,19 @@ def bench(stack: EmbeddedStack, count: int, max_records: int) -> None:
     print(f"ratio     {wall_ratio:.2f} of raw (wall clock), {cpu_ratio:.2f} (CPU)")
     load = psutil.getloadavg()[0]
     print(f"load average {load:.1f} on {psutil.cpu_count()} CPUs")
+    if timed_parts is not None:
+        timed_parts.print(pipeline)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--completions", type=int, default=5000)
     parser.add_argument("--max-records", type=int, default=2000)
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also print the pipeline's CPU per event by part (the timing costs a little)",
+    )
     args = parser.parse_args()
     logging.getLogger("kafka").setLevel(logging.ERROR)
 
@@ -347,7 +418,7 @@ def main() -> None:
         stack.kafka.start()
         try:
             upgrade_schema(stack.postgres.url)
-            bench(stack, args.completions, args.max_records)
+            bench(stack, args.completions, args.max_records, args.parts)
         finally:
             stack.kafka.stop()
             stack.postgres.stop()

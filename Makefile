@@ -88,15 +88,17 @@ docs-reference: install
 	$(PY) -m app.reference
 
 $(MERMAID_JS):
-	@if command -v npm >/dev/null 2>&1; then \
-		tmp=$$(mktemp -d) && \
+	@tmp=$$(mktemp -d); \
+	if command -v npm >/dev/null 2>&1 && \
 		(cd $$tmp && npm pack --silent mermaid@$(MERMAID_VERSION) >/dev/null) && \
 		tar -xzf $$tmp/mermaid-$(MERMAID_VERSION).tgz -C $$tmp package/dist/mermaid.min.js && \
-		echo "$(MERMAID_SHA256)  $$tmp/package/dist/mermaid.min.js" | sha256sum --check --quiet && \
-		mkdir -p $(@D) && cp $$tmp/package/dist/mermaid.min.js $@ && rm -rf $$tmp; \
+		echo "$(MERMAID_SHA256)  $$tmp/package/dist/mermaid.min.js" | sha256sum --check --quiet; \
+	then \
+		mkdir -p $(@D) && cp $$tmp/package/dist/mermaid.min.js $@; \
 	else \
-		echo "npm not found: the site's diagrams will load mermaid from its CDN"; \
-	fi
+		echo "mermaid $(MERMAID_VERSION) not taken from npm: the site's diagrams will load it from a CDN"; \
+	fi; \
+	rm -rf $$tmp
 
 demo: install
 	$(VENV)/bin/rtrl demo

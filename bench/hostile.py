@@ -11,7 +11,7 @@ feedback topics, plus what the spool still holds if it never emptied. The baseli
 is an ordinary small completion measured the same way in the same run, after one unmeasured
 warm-up completion that the worker has stored.
 
-Cases (the README's "hostile input" table has the answers):
+Cases (the "hostile input" table of docs/operators/reliability.md has the answers):
   history     2,000 empty assistant answers between 2,001 user turns
   private     a privacy-mode completion, then a follow-up of 8,000 newlines (classified at
               the gateway)

@@ -137,7 +137,7 @@ def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
 ) -> None:
     # The session's services and vLLM, addressed as external ones: the demo starts only the
     # gateway and a worker, and stops only those. One-turn traffic: on agent traffic one
-    # cycle's gain is smaller than the demo's A/B can resolve (see the README's agent demo).
+    # cycle's gain is smaller than the demo's A/B can resolve (see docs/results/agent-demo.md).
     settings = external_settings(stack, vllm_server, tiny_model_dir, tmp_path)
     # One cycle on 16 developers' traffic is too noisy on this base model for its gain to be
     # asserted (it measured +13.2 pp and -0.9 pp in two runs; tests/trainer/test_cycle.py

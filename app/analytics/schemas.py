@@ -167,7 +167,7 @@ class LineageNode(BaseModel):
 
 class TrainingRunBrief(BaseModel):
     """A training cycle: its outcome, and how far vLLM's logged logprobs were from the
-    trainer's on its batch (see the README's "Running on GPUs")."""
+    trainer's on its batch (see docs/ml-engineers/gpus.md)."""
 
     id: int
     run_name: str | None

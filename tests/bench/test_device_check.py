@@ -1,5 +1,5 @@
 """`bench/device_check.sh` on a machine without a GPU: it says so and succeeds, so CPU CI
-can run it; on a CUDA machine it runs a whole cycle (see the README's "Running on GPUs")."""
+can run it; on a CUDA machine it runs a whole cycle (see docs/ml-engineers/gpus.md)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,25 @@
 """The trainer's learning signal, former against current: the demo's first agent cycle on
 several seeds of traffic (the same base), each seed's batch trained once per variant.
 
-A variant is a baseline and a KL weight: `batch:0` is the former signal (each reward against
-its prompt's mean, else the batch mean, and no KL term), `state:0.05` the per-state baseline
-with the KL to production at 0.05. For each seed, `--users` developers' agent runs are served
+A variant is a baseline, a KL weight and optionally a layout: `batch:0` is the former signal
+(each reward against its prompt's mean, else the batch mean, and no KL term), `state:0.05` the
+per-state baseline with the KL to production at 0.05, `state:0.05:stepwise` the same with each
+turn fed as a row of its own instead of a run's turns merged into one sequence (the default
+layout, `merged`). For each seed, `--users` developers' agent runs are served
 on the base through the real stack (vLLM, gateway, Kafka, a worker) with that seed, their
 rewards finalized, and every variant trains a fresh LoRA on the same batch with the demo's
 settings and that seed, as the cycle's update does (no gate, nothing published). Each
 candidate then runs the same `--runs` held-out agent tasks as the base (the same random
 stream), and the trainer's own logprob function scores the held-out reference runs' turns.
 
-Per seed: the batch, and each baseline's mean advantage by turn of the run. Per seed and
+Per seed: the batch (its runs, and the tokens each layout feeds), and each baseline's mean
+advantage by turn of the run. Per seed and
 variant: the gain in held-out solved runs over the base (pp), malformed calls
 before (base) and after, the mean per-token probability under production (the base) and the
 candidate of the end token after "Done." and of the tool names' tokens (`read_file`,
 `edit_file`), and the gate's KL to production on one-turn answers and on agent turns; then
-each variant's mean gain and its spread (standard deviation) over seeds.
+each variant's mean gain and its spread (standard deviation) over seeds, and the update's
+wall time (drift recomputation and optimizer loop).
 
     python -m bench.baseline [--seeds 5] [--users 24] [--runs 800] \\
         [--variants batch:0,state:0.05] [--data-dir DIR]
@@ -57,11 +61,12 @@ from app.models import Checkpoint, CheckpointStatus
 from app.serving.parity import completion_logprobs
 from app.tasks import heldout_tasks
 from trainer.agent_runs import PolicyRuns, load_policy, run_agents
-from trainer.config import Baseline, TrainConfig
+from trainer.config import Baseline, Layout, TrainConfig
 from trainer.data import TrainingSample, select_on_policy_batch
 from trainer.evaluate import kl_to_production, trainable_state
 from trainer.loss import advantages
 from trainer.policy import load_trainable_policy
+from trainer.sequences import layout_rows
 from trainer.task_family import EVAL_SEED, agent_reference_batch, reference_batch, reference_turns
 from trainer.update import sharded_logprobs, update_policy
 
@@ -74,17 +79,22 @@ REFERENCE_TASKS = 64
 class Variant:
     baseline: Baseline
     kl_coef: float
+    layout: Layout = "merged"
 
     @property
     def name(self) -> str:
-        return f"{self.baseline}:{self.kl_coef:g}"
+        name = f"{self.baseline}:{self.kl_coef:g}"
+        return name if self.layout == "merged" else f"{name}:{self.layout}"
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        baseline, _, kl_coef = text.partition(":")
+        baseline, _, rest = text.partition(":")
+        kl_coef, _, layout = rest.partition(":")
         if baseline not in ("batch", "state"):
             raise ValueError(f"unknown baseline {baseline!r} (batch or state)")
-        return cls(cast(Baseline, baseline), float(kl_coef or 0))
+        if layout not in ("", "merged", "stepwise"):
+            raise ValueError(f"unknown layout {layout!r} (merged or stepwise)")
+        return cls(cast(Baseline, baseline), float(kl_coef or 0), cast(Layout, layout or "merged"))
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,8 @@ class Outcome:
     kl_answers: float
     kl_agent_turns: float
     update_kl: float
+    update_seconds: float
+    """Drift recomputation and the optimizer loop."""
     seconds: float
 
 
@@ -174,6 +186,18 @@ def serve_first_cycle(
     return [s for s in batch.samples if s.served_at >= started]
 
 
+def layouts_line(samples: list[TrainingSample]) -> str:
+    """The batch's runs, and the rows and tokens each layout feeds it as."""
+    runs = {s.trajectory_id for s in samples if s.trajectory_id is not None}
+    merged, stepwise = layout_rows(samples, "merged"), layout_rows(samples, "stepwise")
+    return (
+        f"{len(runs)} runs; step-wise {len(stepwise.rows)} rows, {stepwise.tokens_fed} tokens; "
+        f"merged {len(merged.rows)} rows, {merged.tokens_fed} tokens "
+        f"({stepwise.tokens_fed / max(merged.tokens_fed, 1):.1f}x fewer), "
+        f"{merged.breaks} breaks"
+    )
+
+
 def offsets_by_turn(samples: list[TrainingSample]) -> str:
     """Each baseline's mean advantage per turn of the run (0, 1, 2, 3+), in σ: the offset a
     turn carries whatever it answered."""
@@ -202,13 +226,17 @@ def train_and_judge(
     """A fresh LoRA on the base trained on `samples` as the cycle's update trains it, then
     judged on held-out agent runs, the formatting tokens and the gate's KL."""
     started = time.monotonic()
-    config = dataclasses.replace(config, baseline=variant.baseline, kl_coef=variant.kl_coef)
+    config = dataclasses.replace(
+        config, baseline=variant.baseline, kl_coef=variant.kl_coef, layout=variant.layout
+    )
     torch.manual_seed(config.seed)
     device = torch.device("cpu")
     policy = load_trainable_policy(settings.base_model_path, None, config, device)
     production_weights = trainable_state(policy)
+    update_started = time.perf_counter()
     old = sharded_logprobs(policy, samples, config)
     stats = update_policy(policy, samples, old, config, device, lambda line: None)
+    update_seconds = time.perf_counter() - update_started
     probabilities = token_probabilities(policy, probe)
     answers = reference_batch(tokenizer, heldout_tasks(EVAL_SEED, config.eval_tasks))
     agent_turns = agent_reference_batch(tokenizer, config.eval_tasks)
@@ -231,6 +259,7 @@ def train_and_judge(
         kl_answers=kl_answers,
         kl_agent_turns=kl_agent,
         update_kl=float(stats["kl_to_production"]),
+        update_seconds=update_seconds,
         seconds=time.monotonic() - started,
     )
     return outcome, judged
@@ -295,6 +324,7 @@ def main() -> None:
                 f"{statistics.fmean(s.reward for s in samples):+.3f}",
                 flush=True,
             )
+            print(f"  {layouts_line(samples)}", flush=True)
             print(f"  {offsets_by_turn(samples)}", flush=True)
             train = dataclasses.replace(config.train, seed=seed)
             for variant in variants:
@@ -308,7 +338,7 @@ def main() -> None:
                     + probabilities_line(outcome.probabilities)
                     + f"; KL to production {outcome.kl_answers:.3f} answers, "
                     f"{outcome.kl_agent_turns:.3f} agent turns, {outcome.update_kl:.4f} update "
-                    f"({outcome.seconds:.0f} s)",
+                    f"(update {outcome.update_seconds:.1f} s, {outcome.seconds:.0f} s in all)",
                     flush=True,
                 )
     finally:
@@ -328,7 +358,9 @@ def main() -> None:
         print(
             f"  {variant.name:<11} gain {statistics.fmean(gains):+5.1f} pp (std {spread:.1f}) "
             f"over seeds {', '.join(f'{g:+.1f}' for g in gains)}; malformed "
-            f"{base_malformed:.1%} -> {malformed:.1%}; " + probabilities_line(averaged)
+            f"{base_malformed:.1%} -> {malformed:.1%}; "
+            + probabilities_line(averaged)
+            + f"; update {statistics.fmean(o.update_seconds for o in mine):.1f} s"
         )
     print(f"wall time {(time.monotonic() - started) / 60:.1f} min")
 

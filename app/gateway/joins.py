@@ -10,14 +10,11 @@ and remembers a digest of each answer's text, scoped to the key and user it was 
 from __future__ import annotations
 
 import hashlib
-import logging
 import re
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
-
-log = logging.getLogger(__name__)
+from redis.asyncio.client import Pipeline
 
 ANSWER_TTL_S = 6 * 3600
 """How long an answer's text finds its request: the feedback window of its request id."""
@@ -88,18 +85,11 @@ def answer_key(owner: str, digest: str) -> str:
     return f"rtrl:ans:{owner}:{digest}"
 
 
-async def remember_answer(redis: Redis, owner: str, request_id: str, text: str) -> None:
-    """Let a client's copy of the answer find its request; the newest identical answer wins."""
-    digests = answer_digests(text)
-    if not digests:
-        return
-    try:
-        async with redis.pipeline(transaction=False) as pipe:
-            for digest, ttl_s in digests.items():
-                pipe.set(answer_key(owner, digest), request_id, ex=ttl_s)
-            await pipe.execute()
-    except RedisError:
-        log.warning("answer of %s not remembered: Redis unavailable", request_id)
+def queue_answer(pipe: Pipeline, owner: str, request_id: str, text: str) -> None:
+    """Queue on `pipe` what lets a client's copy of the answer find its request; the newest
+    identical answer wins."""
+    for digest, ttl_s in answer_digests(text).items():
+        pipe.set(answer_key(owner, digest), request_id, ex=ttl_s)
 
 
 async def request_of_answer(redis: Redis, owner: str, text: str) -> str | None:

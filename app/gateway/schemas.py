@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote
 
+import orjson
 from jsonschema import Draft202012Validator, SchemaError
+from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -23,6 +28,11 @@ MAX_SCHEMA_DEPTH = 32
 levels; 300 levels of `items` once overflowed the validator's recursion."""
 MAX_SCHEMA_NODES = 10_000
 """Most values (objects, arrays, scalars) in one tool's parameter schema."""
+CHECKED_SCHEMAS = 512
+"""Tool schemas whose verdict and validator are kept: an agent declares the same tools on
+every turn, and checking a schema against its metaschema costs milliseconds."""
+CHECKED_SCHEMA_BYTES = 16_384
+"""Larger schemas are checked every time they come, so the kept ones stay a few MB."""
 
 
 def schema_shape_problem(schema: dict[str, Any]) -> str | None:
@@ -65,25 +75,71 @@ def _resolves(schema: dict[str, Any], ref: str) -> bool:
     return isinstance(target, dict | bool)
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedSchema:
+    """A tool's parameter schema as judged once: why it is refused, or its validator."""
+
+    problem: str | None
+    validator: Validator | None
+
+
+def checked_schema(parameters: dict[str, Any]) -> CheckedSchema:
+    """The verdict on a tool's parameter schema, kept for the next request that declares it
+    (see `CHECKED_SCHEMAS`)."""
+    try:
+        encoded = orjson.dumps(parameters)
+    except TypeError:  # not JSON (a caller's own objects): judged, not kept
+        return _check_schema(parameters)
+    if len(encoded) > CHECKED_SCHEMA_BYTES:
+        return _check_schema(parameters)
+    return _kept_schema(encoded)
+
+
+@functools.lru_cache(maxsize=CHECKED_SCHEMAS)
+def _kept_schema(encoded: bytes) -> CheckedSchema:
+    # Judged on a copy of its own: the validator outlives the request that brought it.
+    return _check_schema(orjson.loads(encoded))
+
+
+def _check_schema(parameters: dict[str, Any]) -> CheckedSchema:
+    problem = schema_shape_problem(parameters)
+    if problem:
+        return CheckedSchema(f"not an acceptable JSON Schema: {problem}", None)
+    cls = validator_for(parameters, default=Draft202012Validator)
+    try:
+        cls.check_schema(parameters)
+    except SchemaError as exc:
+        return CheckedSchema(f"not a valid JSON Schema: {exc.message}", None)
+    validator: Validator = cls(parameters)
+    return CheckedSchema(None, validator)
+
+
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    _checked: CheckedSchema | None = PrivateAttr(default=None)
 
     @field_validator("parameters")
     @classmethod
     def _a_json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
         if parameters:
-            problem = schema_shape_problem(parameters)
+            problem = checked_schema(parameters).problem
             if problem:
-                raise ValueError(f"not an acceptable JSON Schema: {problem}")
-            try:
-                validator_for(parameters, default=Draft202012Validator).check_schema(parameters)
-            except SchemaError as exc:
-                raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+                raise ValueError(problem)
         return parameters
+
+    @property
+    def validator(self) -> Validator | None:
+        """The compiled validator of the parameters; None when they constrain nothing (or
+        are not a schema a validator can be built from)."""
+        if not self.parameters:
+            return None
+        if self._checked is None:
+            self._checked = checked_schema(self.parameters)
+        return self._checked.validator
 
 
 class NamedFunction(BaseModel):

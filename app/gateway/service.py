@@ -21,9 +21,9 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus
+from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus, encode
 from app.gateway.assignment import Assignment, RoutingCache
-from app.gateway.joins import remember_answer, with_client_ids
+from app.gateway.joins import queue_answer, with_client_ids
 from app.gateway.metrics import (
     COMPLETION_LATENCY,
     COMPLETIONS,
@@ -35,12 +35,21 @@ from app.gateway.metrics import (
 from app.gateway.sampling import sampling_constraints, with_neutral_sampling
 from app.gateway.schemas import ChatRequest
 from app.gateway.sink import EventSink
+from app.gateway.spool import Envelope
 from app.gateway.toolcalls import (
     ToolSchemas,
     asks_clarifying_question,
     proposes_edit,
 )
-from app.gateway.trajectories import Placement, Trajectories, Turn, run_owner, token_digest
+from app.gateway.trajectories import (
+    Placement,
+    Trajectories,
+    Turn,
+    history_digests,
+    queue_turn,
+    run_owner,
+    token_digest,
+)
 from app.gateway.upstream import (
     BROKEN,
     Upstream,
@@ -105,6 +114,8 @@ class RunLink:
     """The lookup of the request's place in its agent run, made beside the model call."""
 
     lookup: asyncio.Future[Placement] | None = None
+    digests: list[str] | None = None
+    """The request's `history_digests`: made once, for the lookup and the turn's memory."""
 
     def placement(self, request_id: str) -> Placement:
         """Where the request sits; a run of its own when the lookup failed or is not done."""
@@ -314,11 +325,7 @@ class Gateway:
         # The model call first: tasks start in order, and the request to vLLM is the one on
         # the critical path.
         work = asyncio.ensure_future(model_call)
-        call.link.lookup = asyncio.ensure_future(
-            self.trajectories.place(
-                call.run_owner, call.request_id, call.request.messages, call.parent_request_id
-            )
-        )
+        call.link.lookup = asyncio.ensure_future(self._place(call))
         reservation = asyncio.ensure_future(
             self.reserve_request_id(
                 call.request_id,
@@ -344,6 +351,17 @@ class Gateway:
         if not call.privacy and call.link.placement(call.request_id).private_run:
             await self._mark_private(call)
         return result
+
+    async def _place(self, call: ChatCall) -> Placement:
+        """The request's place in its run; its history's digests are kept for its memory."""
+        call.link.digests = history_digests(call.request.messages, call.run_owner)
+        return await self.trajectories.place(
+            call.run_owner,
+            call.request_id,
+            call.request.messages,
+            call.parent_request_id,
+            call.link.digests,
+        )
 
     async def _mark_private(self, call: ChatCall) -> None:
         """A turn that continues a private run: its feedback is private too."""
@@ -615,7 +633,7 @@ class Gateway:
     ) -> None:
         placement = call.link.placement(call.request_id)
         try:
-            event = completion_event(call, assignment, record, placement)
+            event, content = completion_parts(call, assignment, record, placement)
         except ValueError:
             log.exception("completion event for %s is invalid; not logged", call.request_id)
             return
@@ -630,36 +648,41 @@ class Gateway:
         COMPLETION_LATENCY.labels(assignment.checkpoint).observe(event.latency_ms / 1000)
         if status == "ok":
             TTFT.labels(assignment.checkpoint).observe(event.ttft_ms / 1000)
-        self.sink.publish(COMPLETIONS_TOPIC, call.session_id, event)
+        self.sink.publish_encoded(
+            Envelope(COMPLETIONS_TOPIC, call.session_id, encode_completion(event, content))
+        )
 
     def _remember_turn(
         self, call: ChatCall, record: CompletionRecord, event: CompletionEvent
     ) -> asyncio.Future[None]:
-        """Let the run's next turn find this one: a task (one Redis round trip) that
-        finishes even if the client goes."""
+        """Let the run's next turn find this one, and a client's copy of the answer its
+        request: a task (one Redis round trip) that finishes even if the client goes."""
+        served = [*(record.prompt_token_ids or ()), *record.completion_token_ids]
+        turn = Turn(
+            request_id=call.request_id,
+            trajectory_id=event.trajectory_id or call.request_id,
+            turn_index=event.turn_index,
+            edit_requested=event.edit_requested,
+            token_count=len(served) if record.prompt_token_ids is not None else -1,
+            token_digest=token_digest(served),
+            private=event.privacy,
+        )
+        answer = {
+            "role": "assistant",
+            "content": record.text,
+            "tool_calls": list(record.tool_calls.values()),
+        }
+        pipe = self.redis.pipeline(transaction=False)
+        queue_turn(pipe, call.run_owner, turn, call.request.messages, answer, call.link.digests)
+        # The answer's text rides along: one round trip for both, the turn's memory first.
+        queue_answer(pipe, call.run_owner, call.request_id, record.text)
 
         async def remember() -> None:
-            served = [*(record.prompt_token_ids or ()), *record.completion_token_ids]
-            turn = Turn(
-                request_id=call.request_id,
-                trajectory_id=event.trajectory_id or call.request_id,
-                turn_index=event.turn_index,
-                edit_requested=event.edit_requested,
-                token_count=len(served) if record.prompt_token_ids is not None else -1,
-                token_digest=token_digest(served),
-                private=event.privacy,
-            )
-            answer = {
-                "role": "assistant",
-                "content": record.text,
-                "tool_calls": list(record.tool_calls.values()),
-            }
-            await self.trajectories.remember(call.run_owner, turn, call.request.messages, answer)
-            if record.text:
-                # After the turn: the run's next turn must not wait behind it.
-                self._in_background(
-                    remember_answer(self.redis, call.run_owner, call.request_id, record.text)
-                )
+            try:
+                async with pipe:
+                    await pipe.execute()
+            except RedisError:
+                log.warning("turn %s not remembered: Redis unavailable", call.request_id)
 
         return self._in_background(remember())
 
@@ -678,6 +701,28 @@ def completion_event(
     placement: Placement | None = None,
 ) -> CompletionEvent:
     """The `rtrl.completions.v1` event of one served request; no content in privacy mode."""
+    event, content = completion_parts(call, assignment, record, placement)
+    return CompletionEvent.model_validate(event.model_dump() | content) if content else event
+
+
+_CONTENT_FIELDS = (
+    "prompt_messages",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "behaviour_logprobs",
+    "completion_text",
+)
+
+
+def completion_parts(
+    call: ChatCall,
+    assignment: Assignment,
+    record: CompletionRecord,
+    placement: Placement | None = None,
+) -> tuple[CompletionEvent, dict[str, Any]]:
+    """The event of one served request without its content, validated, and its content
+    (empty in privacy mode): the messages, token ids and logprobs, as parsed from the client
+    and vLLM, are written as they came rather than validated and copied once more."""
     placement = placement or Placement(call.request_id, 0, None)
     parent = placement.parent
     edit_requested = (
@@ -703,8 +748,16 @@ def completion_event(
             )
         tokens = logprobs = None
     private = call.privacy or placement.private_run
-    content = not private
-    return CompletionEvent(
+    content: dict[str, Any] = {}
+    if not private:
+        content = {
+            "prompt_messages": call.request.messages,
+            "prompt_token_ids": record.prompt_token_ids,
+            "completion_token_ids": tokens,
+            "behaviour_logprobs": logprobs,
+            "completion_text": text,
+        }
+    event = CompletionEvent(
         session_id=call.session_id,
         request_id=call.request_id,
         occurred_at=call.received_at,
@@ -726,11 +779,6 @@ def completion_event(
         top_k=-1 if request.top_k is None or request.top_k == 0 else request.top_k,
         max_tokens=request.max_completion_tokens or request.max_tokens,
         sampling_constraints=sampling_constraints(call.body),
-        prompt_messages=call.request.messages if content else None,
-        prompt_token_ids=record.prompt_token_ids if content else None,
-        completion_token_ids=tokens if content else None,
-        behaviour_logprobs=logprobs if content else None,
-        completion_text=text if content else None,
         finish_reason=record.finish_reason,
         status=record.status,
         error=record.error,
@@ -744,6 +792,15 @@ def completion_event(
         completion_chars=len(text),
         clarifying_question=asks_clarifying_question(text, check),
     )
+    return event, content
+
+
+def encode_completion(event: CompletionEvent, content: dict[str, Any]) -> bytes:
+    """The event as Kafka carries it (`app.events.encode`), its content added as it came."""
+    if not content:
+        return encode(event)
+    fields = event.model_dump(mode="json", exclude=set(_CONTENT_FIELDS))
+    return orjson.dumps(fields | content)
 
 
 def _is_done(line: bytes) -> bool:

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.protocols import Validator
-from jsonschema.validators import validator_for
 
 from app.gateway.schemas import ToolSpec
 
@@ -46,7 +44,7 @@ class ToolSchemas:
     def __init__(self, tools: Sequence[ToolSpec] | None) -> None:
         self._validators: dict[str, Validator | None] = {}
         for tool in tools or ():
-            self._validators[tool.function.name] = _compile(tool.function.parameters)
+            self._validators[tool.function.name] = tool.function.validator
 
     def check(self, tool_calls: Sequence[dict[str, Any]], text: str = "") -> ToolCallCheck:
         """Count the calls, the malformed ones (unknown tool, bad JSON, schema violation,
@@ -90,19 +88,6 @@ _CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 def unread_tool_calls(text: str) -> int:
     """Tool calls the model wrote that the parser could not read: still in the text."""
     return sum(text.count(marker) for marker in _CALL_MARKERS)
-
-
-def _compile(parameters: dict[str, Any] | None) -> Validator | None:
-    if not parameters:
-        return None
-    cls = validator_for(parameters, default=Draft202012Validator)
-    try:
-        cls.check_schema(parameters)
-    except SchemaError:
-        # The client's schema is broken, not the model's call: only JSON-ness is checked.
-        return None
-    validator: Validator = cls(parameters)
-    return validator
 
 
 def is_edit_tool(name: object) -> bool:

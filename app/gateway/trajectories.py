@@ -19,7 +19,6 @@ holds assistant messages (a client that edited or compacted it) starts a new seg
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import uuid
@@ -29,6 +28,7 @@ from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from app.gateway.metrics import TRAJECTORY_LINKS
@@ -59,7 +59,7 @@ class Turn:
     since its history carries this turn's prompt and answer."""
 
     def encode(self) -> bytes:
-        return orjson.dumps(dataclasses.asdict(self))
+        return orjson.dumps(self)  # orjson writes a dataclass's fields as an object
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Turn:
@@ -132,11 +132,13 @@ def run_owner(api_key_id: uuid.UUID, user_hash: str) -> str:
     return hashlib.blake2b(f"{api_key_id}/{user_hash}".encode(), digest_size=12).hexdigest()
 
 
-def history_digests(messages: Sequence[dict[str, Any]], owner: str = "") -> list[str]:
+def history_digests(
+    messages: Sequence[dict[str, Any]], owner: str = "", *, after: str | None = None
+) -> list[str]:
     """The digest of every prefix of `messages` (one per message, the whole history last) as
     `owner` sent it, chained so that each costs one message's hashing: linear in the
-    history, however long."""
-    digests, running = [], owner.encode()
+    history, however long. `after`: the digest of the history these messages follow."""
+    digests, running = [], bytes.fromhex(after) if after else owner.encode()
     for message in messages:
         encoded = orjson.dumps(canonical(message), option=orjson.OPT_SORT_KEYS)
         running = hashlib.blake2b(running + encoded, digest_size=20).digest()
@@ -170,11 +172,12 @@ class Trajectories:
         request_id: str,
         messages: Sequence[dict[str, Any]],
         parent_request_id: str | None,
+        digests: Sequence[str] | None = None,
     ) -> Placement:
         """The run of `owner` (`run_owner`) a new request continues (an explicit parent
-        wins), or a new one."""
+        wins), or a new one. `digests`: the messages' `history_digests`, if known."""
         try:
-            parent = await self._parent(owner, messages, parent_request_id)
+            parent = await self._parent(owner, messages, parent_request_id, digests)
         except RedisError:
             log.warning("request %s not linked to its run: Redis unavailable", request_id)
             TRAJECTORY_LINKS.labels("unavailable").inc()
@@ -189,7 +192,11 @@ class Trajectories:
         return Placement(request_id, 0, None)
 
     async def _parent(
-        self, owner: str, messages: Sequence[dict[str, Any]], parent_request_id: str | None
+        self,
+        owner: str,
+        messages: Sequence[dict[str, Any]],
+        parent_request_id: str | None,
+        digests: Sequence[str] | None,
     ) -> Turn | None:
         if parent_request_id is not None:
             raw = await self.redis.get(_request_key(owner, parent_request_id))
@@ -197,7 +204,8 @@ class Trajectories:
         cuts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if not cuts:
             return None
-        digests = history_digests(messages[: cuts[-1] + 1], owner)
+        if digests is None:
+            digests = history_digests(messages[: cuts[-1] + 1], owner)
         # Longest first, and only the latest few: a run's parent is its last answer unless the
         # client dropped turns, and a history of thousands of answers must not cost thousands
         # of keys.
@@ -212,12 +220,28 @@ class Trajectories:
     ) -> None:
         """Let the run's next turn, sent by `owner`, find this completion, by history and by
         request id."""
-        encoded = turn.encode()
-        digest = history_digest([*messages, answer], owner)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(_history_key(digest), encoded, ex=TURN_TTL_S)
-                pipe.set(_request_key(owner, turn.request_id), encoded, ex=TURN_TTL_S)
+                queue_turn(pipe, owner, turn, messages, answer)
                 await pipe.execute()
         except RedisError:
             log.warning("turn %s not remembered: Redis unavailable", turn.request_id)
+
+
+def queue_turn(
+    pipe: Pipeline,
+    owner: str,
+    turn: Turn,
+    messages: Sequence[dict[str, Any]],
+    answer: dict[str, Any],
+    digests: Sequence[str] | None = None,
+) -> None:
+    """Queue on `pipe` what lets the run's next turn find `turn` (`Trajectories.remember`).
+    `digests`: the messages' `history_digests`, if known."""
+    encoded = turn.encode()
+    if digests:
+        digest = history_digests([answer], owner, after=digests[-1])[-1]
+    else:
+        digest = history_digest([*messages, answer], owner)
+    pipe.set(_history_key(digest), encoded, ex=TURN_TTL_S)
+    pipe.set(_request_key(owner, turn.request_id), encoded, ex=TURN_TTL_S)

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
+
+from app.events import CompletionEvent, decode_completion
 from app.gateway.assignment import Assignment
 from app.gateway.schemas import ChatRequest
-from app.gateway.service import ChatCall, CompletionRecord, completion_event
+from app.gateway.service import (
+    ChatCall,
+    CompletionRecord,
+    completion_event,
+    completion_parts,
+    encode_completion,
+)
 from workers.store import sample_row
 
 TOOLS = [
@@ -148,3 +158,36 @@ def test_whether_the_request_declared_tools_is_logged_and_stored() -> None:
 
     assert agent.tools_declared and sample_row(agent)["tools_declared"]
     assert not chat.tools_declared and not sample_row(chat)["tools_declared"]
+
+
+@pytest.mark.parametrize(
+    ("privacy", "record"),
+    [
+        (False, streamed_tool_calls),
+        (True, streamed_tool_calls),
+        (False, lambda: answered("Which file?")),
+        (
+            False,
+            lambda: CompletionRecord(error="upstream 500: boom", finished_at=time.perf_counter()),
+        ),
+    ],
+    ids=["agent", "private", "chat", "failed"],
+)
+def test_what_the_gateway_spools_is_the_event_a_worker_reads(
+    privacy: bool, record: Callable[[], CompletionRecord]
+) -> None:
+    event, content = completion_parts(call(privacy), Assignment("ckpt-2", 3, "canary"), record())
+
+    logged = decode_completion(encode_completion(event, content))
+
+    assert logged == completion_event_of(event, content)
+    assert (logged.prompt_messages is None) == privacy
+    if not privacy and logged.status == "ok":
+        assert logged.prompt_messages == call().request.messages
+        assert logged.completion_token_ids and logged.behaviour_logprobs
+        assert len(logged.completion_token_ids) == len(logged.behaviour_logprobs)
+
+
+def completion_event_of(event: CompletionEvent, content: dict[str, Any]) -> CompletionEvent:
+    """The whole event, validated field by field, as `completion_event` builds it."""
+    return CompletionEvent.model_validate(event.model_dump() | content)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from app.gateway.schemas import ToolSpec
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from app.gateway.schemas import CHECKED_SCHEMA_BYTES, ChatRequest, ToolSpec
 from app.gateway.toolcalls import (
     ToolSchemas,
     asks_clarifying_question,
@@ -116,3 +120,41 @@ def test_an_answer_of_blank_lines_is_read_in_linear_time() -> None:
     assert proposes_edit(blank + "    ```python\nreturn x\n```", nothing)
     assert not asks_clarifying_question(blank, nothing)
     assert not looks_like_edit_request([{"role": "user", "content": blank}])
+
+
+def declaring(schema: dict[str, Any], name: str = "edit_file") -> ChatRequest:
+    """A request declaring one tool with `schema`, parsed as the gateway parses each one."""
+    return ChatRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "fix a.py"}],
+            "tools": [{"type": "function", "function": {"name": name, "parameters": schema}}],
+        }
+    )
+
+
+def test_a_schema_declared_on_every_turn_gets_the_same_verdict_every_time() -> None:
+    # An agent re-declares its tools on every turn: each schema is judged once and kept, by
+    # what it says (not the tool's name), and a kept verdict is the verdict.
+    strict = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    loose = {"type": "object", "properties": {"path": {"type": "integer"}}}
+    broken = {"type": "object", "properties": {"path": {"type": 3}}}
+    for _ in range(3):
+        schemas = ToolSchemas(declaring(strict).tools)
+        assert schemas.check([call("edit_file", '{"path": "a.py"}')]).malformed == 0
+        assert schemas.check([call("edit_file", '{"line": 3}')]).malformed == 1
+        other = ToolSchemas(declaring(loose).tools)  # same name, another schema
+        assert other.check([call("edit_file", '{"path": 3}')]).malformed == 0
+        assert other.check([call("edit_file", '{"path": "a.py"}')]).malformed == 1
+        with pytest.raises(ValidationError, match="not a valid JSON Schema"):
+            declaring(broken)
+
+
+def test_a_schema_too_large_to_keep_is_still_judged_and_used() -> None:
+    fields = {f"field_{n}": {"type": "string", "description": "x" * 40} for n in range(400)}
+    large = {"type": "object", "properties": fields, "required": ["field_7"]}
+    assert len(orjson.dumps(large)) > CHECKED_SCHEMA_BYTES
+    schemas = ToolSchemas(declaring(large).tools)
+    assert schemas.check([call("edit_file", '{"field_7": "a"}')]).malformed == 0
+    assert schemas.check([call("edit_file", '{"field_8": "a"}')]).malformed == 1
+    with pytest.raises(ValidationError, match="not a valid JSON Schema"):
+        declaring(large | {"required": "field_7"})

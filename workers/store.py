@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, Row
 
@@ -338,5 +338,5 @@ def feedback_by_sample(
 
 
 def _signal_of(row: Row[Any]) -> Signal:
-    fields: tuple[Any, ...] = tuple(row)  # `FEEDBACK_SIGNAL_COLUMNS`, in the order of Signal's
-    return Signal(*fields)
+    # `FEEDBACK_SIGNAL_COLUMNS` are in the order of Signal's fields.
+    return Signal(*cast(Sequence[Any], row))

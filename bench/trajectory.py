@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -109,10 +110,12 @@ def timed(
     return (time.perf_counter() - started) / rounds
 
 
-def demo_batch(users: int, seed: int) -> tuple[list[TrainingSample], Path, TrainConfig]:
+def demo_batch(
+    users: int, seed: int, data_dir: Path
+) -> tuple[list[TrainingSample], Path, TrainConfig]:
     """The demo's first agent cycle's on-policy batch on the base (`users` developers, traffic
-    `seed`), served through the whole stack, which is stopped before this returns."""
-    data_dir = Path(tempfile.mkdtemp(prefix="rtrl-trajectory-"))
+    `seed`), served through the whole stack, which is stopped before this returns; the base
+    model's directory and the demo's training settings."""
     settings = Settings(
         data_dir=data_dir,
         embedded_postgres_port=free_port(),
@@ -178,14 +181,25 @@ def train_in(
 
 
 def demo_layouts(users: int, seed: int, rounds: int) -> None:
-    samples, model_dir, config = demo_batch(users, seed)
+    data_dir = Path(tempfile.mkdtemp(prefix="rtrl-trajectory-"))
+    try:
+        samples, model_dir, config = demo_batch(users, seed, data_dir)
+        compare_layouts(samples, model_dir, config, rounds, users)
+    finally:
+        shutil.rmtree(data_dir)
+
+
+def compare_layouts(
+    samples: list[TrainingSample], model_dir: Path, config: TrainConfig, rounds: int, users: int
+) -> None:
+    """Train the batch in both layouts, alternating, `rounds` times each; print the figures."""
     torch.set_num_threads(config.threads or torch.get_num_threads())
     runs = Counter(s.trajectory_id for s in samples if s.trajectory_id is not None)
     lengths = Counter(runs.values())
     merged, stepwise = layout_rows(samples, "merged"), layout_rows(samples, "stepwise")
     print(
-        f"\nthe demo's first agent cycle ({users} developers, seed {seed}): {len(samples)} "
-        f"samples in {len(runs)} runs (turns: "
+        f"\nthe demo's first agent cycle ({users} developers, seed {config.seed}): "
+        f"{len(samples)} samples in {len(runs)} runs (turns: "
         + ", ".join(f"{n} x{count}" for n, count in sorted(lengths.items()))
         + f"), {sum(s.trajectory_id is None for s in samples)} alone"
     )

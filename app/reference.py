@@ -14,6 +14,7 @@ import ast
 import importlib
 import inspect
 import json
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Iterable
@@ -157,6 +158,16 @@ def _iso_duration(value: timedelta) -> str:
     return ("P" + (f"{days}D" if days else "") + (f"T{time}" if time else "")) or "PT0S"
 
 
+def _defaults(cls: Any, prefix: str) -> Any:
+    """The settings with every variable of theirs unset: what a fresh machine gets, whatever
+    the environment this runs in (a test, a shell with RTRL_* exported)."""
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith(prefix)}
+    try:
+        return cls.model_validate({})
+    finally:
+        os.environ.update(saved)
+
+
 def _default_text(value: Any) -> str:
     if value is None:
         return "unset"
@@ -189,7 +200,7 @@ def render_settings(
     ]
     for title, cls, docs in groups:
         prefix = str(cls.model_config.get("env_prefix", ""))
-        defaults = cls.model_validate({})
+        defaults = _defaults(cls, prefix)
         out.append(f"\n## {title}\n\n")
         out.append("| variable | type | default | description |\n|---|---|---|---|\n")
         for name, field in cls.model_fields.items():

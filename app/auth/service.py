@@ -166,8 +166,15 @@ class Authenticator:
             raise
 
     def _known_valid(self, key_hash: str | None) -> bool:
+        """Valid at its last lookup, and looked up within `stale_if_error_s`: a key in use
+        stays exempt from its address's failures between lookups, not only while its cached
+        answer is fresh (a revoked one is still refused by the lookup it then gets)."""
         cached = self._known.get(key_hash) if key_hash is not None else None
-        return cached is not None and cached[0] > time.monotonic()
+        return (
+            cached is not None
+            and cached[1] is not None
+            and cached[0] + self._stale_if_error_s > time.monotonic()
+        )
 
     async def authenticate_hash(self, key_hash: str) -> Principal:
         """The principal of a key by its stored hash (a browser session holds only that)."""

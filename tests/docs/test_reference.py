@@ -7,6 +7,7 @@ changed without `make docs-reference`; the others show that each kind of change 
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +34,16 @@ def test_the_checked_in_reference_pages_are_the_ones_the_code_generates(
         f"stale reference page(s): {', '.join(stale)}; "
         f"run `{reference.REFRESH_COMMAND}` (python -m app.reference) and commit the result"
     )
+
+
+def test_the_pages_do_not_depend_on_the_settings_of_the_machine_that_makes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RTRL_GATEWAY_PORT", "9999")
+    monkeypatch.setenv("RTRL_MAX_COMPLETION_TOKENS", "77")
+    monkeypatch.setenv("RTRL_TRAIN_SEED", "5")
+    assert not stale_pages(reference.generate())
+    assert os.environ["RTRL_GATEWAY_PORT"] == "9999"  # and the environment is left as it was
 
 
 def _stale_with(pages: dict[str, Page], name: str, text: str) -> list[str]:

@@ -48,6 +48,17 @@ def test_a_key_past_its_requests_in_flight_gets_a_429_and_others_are_served(
         futures = [pool.submit(ask, greedy) for _ in range(8)]
         others = pool.submit(ask, other)
         answers = [future.result() for future in futures]
+    # On a starved machine a connect to the local vLLM can pass its 2 s limit: such an
+    # answer is a clear 503 `upstream_unavailable` that gave its place back, not a fairness
+    # failure (seen once in CI beside a 3.9 s stall of the whole machine).
+    answers = [
+        answer
+        for answer in answers
+        if not (
+            answer.status_code == 503
+            and answer.json()["error"]["code"] in {"upstream_unavailable", "request_id_unavailable"}
+        )
+    ]
     statuses = sorted(answer.status_code for answer in answers)
     assert set(statuses) == {200, 429}, [
         (answer.status_code, answer.text[:300]) for answer in answers

@@ -30,6 +30,9 @@ MIN_EFFECTIVE_SAMPLES = 30.0
 """Fewer effective samples than this: no interval worth the name."""
 MAX_WEIGHT_SHARE = 0.2
 """One completion carrying more of the total weight than this decides the estimate alone."""
+NEGLIGIBLE_SPREAD = 1.1
+"""Weights all at most this multiple of their mean carry no tail that could move an estimate;
+the Pareto k̂, which is blind to scale, would only read the shape of rounding noise."""
 CLIP = 10.0
 """Clipped IS: weights (normalized to mean 1) above this are cut to it (biased, low variance)."""
 
@@ -102,7 +105,7 @@ def weight_diagnostics(weights: np.ndarray) -> WeightDiagnostics:
     unreliable = []
     if k is None:
         unreliable.append(f"too few samples ({n}) to check the weights' tail")
-    elif k > PARETO_K_LIMIT:
+    elif k > PARETO_K_LIMIT and float(weights.max()) > NEGLIGIBLE_SPREAD * total / n:
         unreliable.append(f"Pareto k̂ {k:.2f} > {PARETO_K_LIMIT}")
     if ess < MIN_EFFECTIVE_SAMPLES:
         unreliable.append(f"effective sample size {ess:.1f} < {MIN_EFFECTIVE_SAMPLES:g}")

@@ -43,22 +43,23 @@ def test_a_key_past_its_requests_in_flight_gets_a_429_and_others_are_served(
     def ask(key: str) -> httpx.Response:
         return httpx.post(url, json=body(), headers=headers(key), timeout=120)
 
-    # Eight at once from one key, one from another key among them.
-    with ThreadPoolExecutor(9) as pool:
-        futures = [pool.submit(ask, greedy) for _ in range(8)]
-        others = pool.submit(ask, other)
-        answers = [future.result() for future in futures]
-    # On a starved machine a connect to the local vLLM can pass its 2 s limit: such an
-    # answer is a clear 503 `upstream_unavailable` that gave its place back, not a fairness
-    # failure (seen once in CI beside a 3.9 s stall of the whole machine).
-    answers = [
-        answer
-        for answer in answers
-        if not (
-            answer.status_code == 503
-            and answer.json()["error"]["code"] in {"upstream_unavailable", "request_id_unavailable"}
-        )
-    ]
+    def burst() -> tuple[list[httpx.Response], httpx.Response]:
+        """Eight at once from one key, one from another key among them."""
+        with ThreadPoolExecutor(9) as pool:
+            futures = [pool.submit(ask, greedy) for _ in range(8)]
+            others = pool.submit(ask, other)
+            return [future.result() for future in futures], others.result()
+
+    # On a starved machine a connect to the local vLLM can pass its 2 s limit: such an answer
+    # is a clear 503 `upstream_unavailable` that gives its place back at once, so the burst's
+    # later requests are admitted and it shows nothing about fairness (seen in CI beside
+    # stalls of the whole machine). Such a burst is asked again.
+    for _ in range(3):
+        answers, others = burst()
+        starved = [answer for answer in [*answers, others] if _starved(answer)]
+        if not starved:
+            break
+    assert not starved, [(answer.status_code, answer.text[:300]) for answer in starved]
     statuses = sorted(answer.status_code for answer in answers)
     assert set(statuses) == {200, 429}, [
         (answer.status_code, answer.text[:300]) for answer in answers
@@ -67,7 +68,7 @@ def test_a_key_past_its_requests_in_flight_gets_a_429_and_others_are_served(
     refused = next(answer for answer in answers if answer.status_code == 429)
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "too_many_requests_in_flight"
-    assert others.result().status_code == 200, others.result().text
+    assert others.status_code == 200, others.text
     assert in_flight.in_flight() == 0  # every answer gave its place back
 
     # Streams the client drops give their places back too.
@@ -81,3 +82,10 @@ def test_a_key_past_its_requests_in_flight_gets_a_429_and_others_are_served(
         time.sleep(0.2)
     assert in_flight.in_flight() == 0
     assert ask(greedy).status_code == 200
+
+
+def _starved(answer: httpx.Response) -> bool:
+    return answer.status_code == 503 and answer.json()["error"]["code"] in {
+        "upstream_unavailable",
+        "request_id_unavailable",
+    }

@@ -99,6 +99,19 @@ def test_long_divergent_answers_are_flagged_unreliable() -> None:
     assert weight_diagnostics(normalized_weights(short)).reliable
 
 
+def test_a_heavy_tail_of_rounding_noise_is_not_a_reason_to_distrust_the_estimate() -> None:
+    rng = np.random.default_rng(5)
+    # Log-ratios with a heavy-tailed shape (Student's t, 1 degree of freedom)...
+    shape = rng.standard_t(1, size=250)
+    # ...at the size fp32 rescoring leaves: every weight within a fraction of a percent of 1.
+    noise = normalized_weights(1e-4 * shape)
+    k = pareto_k(noise)
+    assert k is not None and k > 0.7  # k̂ reads the shape whatever its scale
+    assert weight_diagnostics(noise).reliable
+    # The same shape at a scale that moves estimates is a heavy tail.
+    assert not weight_diagnostics(normalized_weights(shape)).reliable
+
+
 def test_the_estimate_and_its_tail_diagnostic_agree_with_maintained_libraries() -> None:
     """Oracles on synthetic logs: Vowpal Wabbit's SNIPS estimator for the estimate, arviz-stats'
     PSIS for k̂ (the same numbers, so the thresholds mean what the literature means)."""

@@ -120,7 +120,9 @@ def test_production_rescored_against_its_own_logs_predicts_no_difference(
     assert prediction["identity"]["mean_abs_log_ratio"] < 1e-3  # fp32 on both sides
     estimate = prediction["kinds"]["all"]["mean_reward"]
     assert abs(estimate["difference"]) < 1e-3
-    assert estimate["ci_low"] <= 0 <= estimate["ci_high"]
+    # The weights differ from 1 by fp32 rounding, and the interval is as narrow (one run's
+    # ended at −5e-9): it covers 0 to within that rounding.
+    assert estimate["ci_low"] - 1e-6 <= 0 <= estimate["ci_high"] + 1e-6
     assert estimate["reliable"] and estimate["users"] == USERS
     assert estimate["diagnostics"]["effective_fraction"] > 0.99
 
@@ -164,9 +166,14 @@ def test_a_candidate_trained_against_the_outcome_is_predicted_worse_then_scored_
         f"ESS {estimate['diagnostics']['effective_samples']:.0f} of {estimate['observations']}, "
         f"k̂ {estimate['diagnostics']['pareto_k']}"
     )
-    # A conservative update on short answers: the weights hold (measured: ESS 251 of 262,
-    # k̂ 0.46; at lr 2e-3, clip 0.4 and four epochs, ESS 20 of 262: flagged unreliable).
-    assert estimate["reliable"], estimate["diagnostics"]["unreliable"]
+    # A conservative update on short answers keeps most of the effective samples (measured:
+    # ESS 251 of 262 and 231 of 250; at lr 2e-3, clip 0.4 and four epochs, 20 of 262). The
+    # Pareto k̂ of ~250 weights is not as steady: two completions whose weight stands out
+    # among many repeated answers decide the tail's fit (k̂ 0.19, 0.46, −0.13 and 1.35 in four
+    # runs), so the estimate may be flagged for k̂ alone, never for its effective samples.
+    diagnostics = estimate["diagnostics"]
+    assert diagnostics["effective_fraction"] > 0.8, diagnostics
+    assert all(reason.startswith("Pareto k̂") for reason in diagnostics["unreliable"])
     assert estimate["ci_high"] < 0
     assert prediction["kinds"]["all"]["kept"]["difference"] < 0
     assert set(prediction["kinds"]) == {"all", "one_turn"}  # no agent turn was logged
@@ -181,8 +188,11 @@ def test_a_candidate_trained_against_the_outcome_is_predicted_worse_then_scored_
     assert reward.realized is not None and reward.realized < 0
     assert reward.sign_agrees and reward.error == pytest.approx(reward.predicted - reward.realized)
     assert reward.consistent is not None
-    summary = {s.metric: s for s in scoreboard.scores}
-    assert summary["mean_reward"].compared == 1 and summary["mean_reward"].sign_agreement == 1.0
+    summary = {s.metric: s for s in scoreboard.scores}["mean_reward"]
+    if estimate["reliable"]:
+        assert summary.compared == 1 and summary.sign_agreement == 1.0
+    else:  # scored, but left out of the shares that judge the screen
+        assert summary.compared == 0 and summary.unreliable_share == 1.0
 
 
 def realize_canary(engine: Engine, experiment_id: int, candidate: str) -> None:

@@ -105,7 +105,7 @@ def weight_diagnostics(weights: np.ndarray) -> WeightDiagnostics:
     unreliable = []
     if k is None:
         unreliable.append(f"too few samples ({n}) to check the weights' tail")
-    elif k > PARETO_K_LIMIT and float(weights.max()) > NEGLIGIBLE_SPREAD * total / n:
+    elif k > PARETO_K_LIMIT and share * n > NEGLIGIBLE_SPREAD:
         unreliable.append(f"Pareto k̂ {k:.2f} > {PARETO_K_LIMIT}")
     if ess < MIN_EFFECTIVE_SAMPLES:
         unreliable.append(f"effective sample size {ess:.1f} < {MIN_EFFECTIVE_SAMPLES:g}")

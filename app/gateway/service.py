@@ -190,9 +190,6 @@ class CompletionRecord:
     finished_at: float | None = None
     cancelled: bool = False
     """The client went away before the end of the stream."""
-    remembering: asyncio.Future[None] | None = None
-    """An agent turn being remembered for the run's next turn, awaited before the client
-    learns the answer is complete: the next turn must find it."""
 
     @property
     def status(self) -> CompletionStatus:
@@ -208,11 +205,6 @@ class CompletionRecord:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
-
-    async def remembered(self) -> None:
-        """Wait until the turn is remembered (a no-op when there is nothing to remember)."""
-        if self.remembering is not None:
-            await asyncio.shield(self.remembering)
 
     def add_choice(self, choice: dict[str, Any], *, message_key: str, now: float) -> None:
         """Fold one choice (a whole message, or one stream delta) into the record."""
@@ -348,19 +340,27 @@ class Gateway:
         # Almost always done by now; a turn logged before it would start a run of its own,
         # and the turns after it would continue that one.
         await call.link.settled()
+        if call.link.placement(call.request_id).parent is None and _continues_a_run(call):
+            # The previous turn's memory is written as its answer leaves, not before: a turn
+            # sent at once can look before it lands. Looked up again, a model call later.
+            call.link.lookup = asyncio.ensure_future(self._place(call, again=True))
+            await call.link.settled()
         if not call.privacy and call.link.placement(call.request_id).private_run:
             await self._mark_private(call)
         return result
 
-    async def _place(self, call: ChatCall) -> Placement:
+    async def _place(self, call: ChatCall, *, again: bool = False) -> Placement:
         """The request's place in its run; its history's digests are kept for its memory."""
-        call.link.digests = history_digests(call.request.messages, call.run_owner)
+        if call.link.digests is None:
+            call.link.digests = history_digests(call.request.messages, call.run_owner)
         return await self.trajectories.place(
             call.run_owner,
             call.request_id,
             call.request.messages,
             call.parent_request_id,
             call.link.digests,
+            # A first look that misses is asked again (`_alongside`); only the last counts.
+            count_miss=again or not _continues_a_run(call),
         )
 
     async def _mark_private(self, call: ChatCall) -> None:
@@ -421,7 +421,6 @@ class Gateway:
         record.prompt_token_ids = data.get("prompt_token_ids")
         body = orjson.dumps(self._client_view(call, data))
         self._log_completion(call, assignment, record)
-        await record.remembered()
         return body, assignment
 
     async def _post(
@@ -511,7 +510,6 @@ class Gateway:
                         # Logged before the client learns the stream is complete.
                         self._log_stream_end(call, assignment, record)
                         relayed.append(b"data: [DONE]\n\n")
-                await record.remembered()  # before the client reads [DONE]
                 if any(relayed):
                     yield b"".join(relayed)
         except (GeneratorExit, asyncio.CancelledError):
@@ -638,11 +636,10 @@ class Gateway:
             log.exception("completion event for %s is invalid; not logged", call.request_id)
             return
         if event.status == "ok":
-            # The answer waits for the memory (one Redis round trip): an agent's next turn comes
-            # at machine speed once its tools ran, and so does a stock client's without tools
-            # (Aider sends its lint and test fixes back at once); a turn that missed it would
-            # start a run of its own.
-            record.remembering = self._remember_turn(call, record, event)
+            # Sent before the answer, not waited for: a next turn that comes at machine speed
+            # (an agent's tools ran, Aider sends its lint fixes back at once) and looks before
+            # it lands looks again once its own answer is in (`_alongside`).
+            self._remember_turn(call, record, event)
         status = event.status
         COMPLETIONS.labels(assignment.checkpoint, status).inc()
         COMPLETION_LATENCY.labels(assignment.checkpoint).observe(event.latency_ms / 1000)
@@ -801,6 +798,13 @@ def encode_completion(event: CompletionEvent, content: dict[str, Any]) -> bytes:
         return encode(event)
     fields = event.model_dump(mode="json", exclude=set(_CONTENT_FIELDS))
     return orjson.dumps(fields | content)
+
+
+def _continues_a_run(call: ChatCall) -> bool:
+    """Whether the request names or carries an earlier turn its run lookup could find."""
+    return call.parent_request_id is not None or any(
+        message.get("role") == "assistant" for message in call.request.messages
+    )
 
 
 def _is_done(line: bytes) -> bool:

@@ -173,9 +173,12 @@ class Trajectories:
         messages: Sequence[dict[str, Any]],
         parent_request_id: str | None,
         digests: Sequence[str] | None = None,
+        *,
+        count_miss: bool = True,
     ) -> Placement:
         """The run of `owner` (`run_owner`) a new request continues (an explicit parent
-        wins), or a new one. `digests`: the messages' `history_digests`, if known."""
+        wins), or a new one. `digests`: the messages' `history_digests`, if known;
+        `count_miss`: False for a first look that is asked again when it misses."""
         try:
             parent = await self._parent(owner, messages, parent_request_id, digests)
         except RedisError:
@@ -185,10 +188,10 @@ class Trajectories:
         if parent is not None:
             TRAJECTORY_LINKS.labels("continued").inc()
             return Placement(parent.trajectory_id, parent.turn_index + 1, parent)
-        if any(message.get("role") == "assistant" for message in messages):
-            TRAJECTORY_LINKS.labels("new_segment").inc()  # history edited, compacted, or old
-        else:
-            TRAJECTORY_LINKS.labels("new_run").inc()
+        if count_miss:
+            # A history with answers in it that continues nothing: edited, compacted, or old.
+            edited = any(message.get("role") == "assistant" for message in messages)
+            TRAJECTORY_LINKS.labels("new_segment" if edited else "new_run").inc()
         return Placement(request_id, 0, None)
 
     async def _parent(

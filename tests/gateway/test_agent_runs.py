@@ -212,9 +212,9 @@ def test_a_turn_whose_run_lookup_is_slower_than_the_model_still_continues_its_ru
     trajectories = gateway_server.app.state.gateway.trajectories
     place = trajectories.place
 
-    async def slow_place(*args: Any) -> Any:
+    async def slow_place(*args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(1.5)
-        return await place(*args)
+        return await place(*args, **kwargs)
 
     client = agent(gateway_server, ide_key, new_id("s"))
     since = kafka.end_offsets(COMPLETIONS_TOPIC)

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+COMPRESSION = "lz4"
+"""How rtrl's producers compress their batches. A completion event carries its prompt's
+messages and token ids (tens of kB for an agent's late turn): gzip cost the gateway's
+process about 2.1 ms of CPU per such event against 0.8 with lz4 (0.8 uncompressed), time
+taken beside the event loop serving requests. Consumers need the `lz4` package too."""
+
 
 def kafka_security(settings: Settings) -> dict[str, Any]:
     """The options that make a kafka-python client speak the brokers' security protocol

@@ -8,7 +8,7 @@ Starts its own embedded Postgres and Kafka on free ports and measures, in one ru
   workers   the CPU one worker process and Postgres spend per completion and per feedback
             event carried Kafka → Postgres (CPU, not wall time: it stays comparable on a
             machine other work is sharing), beside the wall-clock rate;
-  events    the bytes of each event on the wire (JSON, before the producer's gzip).
+  events    the bytes of each event on the wire (JSON, before the producer's lz4).
 Then it prints the hardware for 1 M, 100 M and 400 M requests a day: Kafka partitions,
 worker processes, gateway processes, vLLM replicas, Postgres storage per day and over the
 retention window, with every assumption it used printed beside it.
@@ -328,7 +328,7 @@ def report(measured: Measured, assume: Assumptions) -> None:
         ("peak completions/s", lambda p: count(p.peak_completions_per_s)),
         ("peak events/s (Kafka)", lambda p: count(p.peak_events_per_s)),
         ("Kafka partitions per topic", lambda p: str(p.kafka_partitions)),
-        ("Kafka retained (3 replicas, before gzip)", lambda p: size(p.kafka_bytes_retained * 3)),
+        ("Kafka retained (3 replicas, before lz4)", lambda p: size(p.kafka_bytes_retained * 3)),
         ("worker processes (1 core each)", lambda p: str(p.worker_processes)),
         ("Postgres cores for the writes", lambda p: f"{p.postgres_write_cores:.2g}"),
         ("gateway processes", lambda p: str(p.gateway_processes)),

@@ -54,6 +54,7 @@ from app.events import (
     SessionEnd,
     encode,
 )
+from app.kafka_clients import COMPRESSION
 from workers.config import WorkerConfig
 from workers.consumer import consume_batch, make_consumer, make_producer, tune_gc
 from workers.repository import array_literal, feedback_events, make_worker_engine, rewards
@@ -130,7 +131,7 @@ def produce(servers: str, config: WorkerConfig, stream: list[Event]) -> None:
         bootstrap_servers=servers,
         acks="all",
         enable_idempotence=True,
-        compression_type="gzip",
+        compression_type=COMPRESSION,
         linger_ms=20,
         batch_size=256 * 1024,
     )

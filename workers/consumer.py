@@ -32,7 +32,7 @@ from app.abtest.guardrails import check_guardrails
 from app.config import Settings
 from app.events import DeadLetter, decode_completion, decode_feedback, encode
 from app.heartbeat import Heartbeat
-from app.kafka_clients import kafka_client, kafka_security
+from app.kafka_clients import COMPRESSION, kafka_client, kafka_security
 from app.signals.rewards import reward_weights
 from app.topics import check_topic_durability
 from workers.config import WorkerConfig
@@ -299,7 +299,7 @@ def make_producer(settings: Settings) -> KafkaProducer:
         max_request_size=settings.kafka_max_message_bytes,
         acks="all",
         enable_idempotence=True,
-        compression_type="gzip",
+        compression_type=COMPRESSION,
         linger_ms=5,
         **kafka_security(settings),
     )

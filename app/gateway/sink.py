@@ -50,7 +50,7 @@ from app.gateway.metrics import (
 from app.gateway.spool import DiskSpool, Envelope, Retention
 from app.gateway.spools import adopt_free_spools, claim_spool
 from app.gateway.topic_ids import TopicIds
-from app.kafka_clients import kafka_client
+from app.kafka_clients import COMPRESSION, kafka_client
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class EventSink:
             "client_id": "rtrl-gateway",
             "enable_idempotence": True,
             "acks": "all",
-            "compression_type": "gzip",
+            "compression_type": COMPRESSION,
             "linger_ms": 5,
             "metrics_enabled": False,
             "max_block_ms": 2_000,

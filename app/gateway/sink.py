@@ -66,6 +66,11 @@ TOPIC_CHECK_INTERVAL_S = 2.0
 """How often the topic ids are compared with those the retained events were delivered to."""
 LOOK_AFTER_INTERVAL_S = 10.0
 """How often retention is applied and the spool root searched for spools left behind."""
+PRODUCER_BATCH_BYTES = 1024 * 1024
+"""The producer's batch size per partition. kafka-python's default (16 kB) is smaller than
+one completion event of an agent's late turn, so each such event went as a batch of its own,
+and building and sending batches is Python on a thread beside the event loop: a batch of a
+few events per partition halved the sink's CPU per 33 kB event (0.85-1.04 ms to 0.45-0.48)."""
 CLOSE_DRAIN_S = 5.0
 """How long a stopping gateway keeps sending; what is left is sent at its next start."""
 
@@ -118,6 +123,7 @@ class EventSink:
             "acks": "all",
             "compression_type": COMPRESSION,
             "linger_ms": 5,
+            "batch_size": PRODUCER_BATCH_BYTES,
             "metrics_enabled": False,
             "max_block_ms": 2_000,
             "request_timeout_ms": min(5_000, delivery_timeout_ms - 1_000),

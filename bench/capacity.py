@@ -45,6 +45,12 @@ from workers.repository import make_worker_engine
 VOLUMES = (1_000_000, 100_000_000, 400_000_000)
 PARTITIONS = 4
 VOCABULARY = 151_000  # a Qwen-sized vocabulary: token ids as large as real ones
+GATEWAY_CPU_MS = 3.5
+GATEWAY_CPU_MS_PER_TOKEN = 0.1
+"""bench.gateway on this machine (2026-12-06): 2.9-4.1 ms of gateway CPU a non-streaming
+request over its four workloads; a streamed 100-token answer cost 5.8, 12.7 and 34.8 ms in
+20, 100 and 300 chunks (`--stream-chunks`), 0.09-0.11 ms a chunk. vLLM sends a chunk a token
+unless its --stream-interval is raised (RTRL_VLLM_STREAM_INTERVAL)."""
 CODE_WORDS = ("def", "return", "self", "if", "else", "for", "in", "import", "None", "=", "(", ")")
 
 # Every table's bytes, partitions counted under the table they belong to.
@@ -102,8 +108,12 @@ class Assumptions:
     kafka_retention_days: int
     replica_tokens_per_s: float
     """Generated tokens per second one vLLM replica sustains at the latency target."""
-    gateway_completions_per_s: float
-    """Completions per second one gateway process proxies (bench.gateway: ~540 with 16 clients)."""
+    gateway_cpu_ms: float
+    """CPU a gateway process spends on one completion besides relaying its tokens (bench.gateway's
+    CPU per request, non-streaming)."""
+    gateway_cpu_ms_per_token: float
+    """CPU per streamed token: vLLM sends each generated token as an SSE chunk, which the
+    gateway reads, records and relays (bench.gateway with --stream-chunks 100 against 20)."""
     partition_mb_per_s: float
     """Write throughput planned per Kafka partition."""
     utilisation: float
@@ -230,6 +240,11 @@ class Plan:
     kafka_bytes_retained: float
 
 
+def gateway_cpu_s(assume: Assumptions, completion_tokens: int) -> float:
+    """CPU seconds one gateway process spends on a completion streamed token by token."""
+    return (assume.gateway_cpu_ms + completion_tokens * assume.gateway_cpu_ms_per_token) / 1000
+
+
 def plan(requests_per_day: int, measured: Measured, assume: Assumptions) -> Plan:
     """Size every component for `requests_per_day` at the assumed peak and utilisation."""
     peak = requests_per_day / 86_400 * assume.peak_to_mean
@@ -249,7 +264,11 @@ def plan(requests_per_day: int, measured: Measured, assume: Assumptions) -> Plan
         worker_processes=workers,
         postgres_write_cores=peak * measured.cpu_per_completion(measured.postgres_cpu_s),
         kafka_partitions=partitions,
-        gateway_processes=math.ceil(peak / (assume.gateway_completions_per_s * assume.utilisation)),
+        # A gateway process is one event loop: one core at most. Every completion is counted
+        # as streamed, as IDE clients ask for them.
+        gateway_processes=math.ceil(
+            peak * gateway_cpu_s(assume, assume.completion_tokens) / assume.utilisation
+        ),
         vllm_replicas=math.ceil(
             peak * assume.completion_tokens / (assume.replica_tokens_per_s * assume.utilisation)
         ),
@@ -318,9 +337,15 @@ def report(measured: Measured, assume: Assumptions) -> None:
         f"Kafka {assume.kafka_retention_days} days"
     )
     print(
-        f"  vLLM replica {count(assume.replica_tokens_per_s)} generated tokens/s; gateway "
-        f"process {count(assume.gateway_completions_per_s)} completions/s; Kafka partition "
-        f"{assume.partition_mb_per_s:g} MB/s"
+        f"  vLLM replica {count(assume.replica_tokens_per_s)} generated tokens/s; Kafka "
+        f"partition {assume.partition_mb_per_s:g} MB/s"
+    )
+    streamed = gateway_cpu_s(assume, assume.completion_tokens)
+    print(
+        f"  gateway CPU {assume.gateway_cpu_ms:g} ms a completion + "
+        f"{assume.gateway_cpu_ms_per_token:g} ms a streamed token: {streamed * 1000:.1f} ms a "
+        f"streamed completion of {assume.completion_tokens} tokens, "
+        f"{count(1 / streamed)} completions/s per core"
     )
     plans = [plan(volume, measured, assume) for volume in VOLUMES]
     rows = [
@@ -355,7 +380,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retention-days", type=int, default=30)
     parser.add_argument("--kafka-retention-days", type=int, default=3)
     parser.add_argument("--replica-tokens-per-s", type=float, default=2500.0)
-    parser.add_argument("--gateway-completions-per-s", type=float, default=540.0)
+    parser.add_argument(
+        "--gateway-cpu-ms",
+        type=float,
+        default=GATEWAY_CPU_MS,
+        help="gateway CPU per completion besides its streamed tokens",
+    )
+    parser.add_argument(
+        "--gateway-cpu-ms-per-token",
+        type=float,
+        default=GATEWAY_CPU_MS_PER_TOKEN,
+        help="gateway CPU per streamed chunk (a token each at vLLM's default stream interval)",
+    )
     parser.add_argument("--partition-mb-per-s", type=float, default=5.0)
     parser.add_argument("--utilisation", type=float, default=0.6)
     args = parser.parse_args(argv)
@@ -365,7 +401,8 @@ def main(argv: list[str] | None = None) -> None:
         retention_days=args.retention_days,
         kafka_retention_days=args.kafka_retention_days,
         replica_tokens_per_s=args.replica_tokens_per_s,
-        gateway_completions_per_s=args.gateway_completions_per_s,
+        gateway_cpu_ms=args.gateway_cpu_ms,
+        gateway_cpu_ms_per_token=args.gateway_cpu_ms_per_token,
         partition_mb_per_s=args.partition_mb_per_s,
         utilisation=args.utilisation,
         prompt_tokens=args.prompt_tokens,

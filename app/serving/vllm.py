@@ -110,6 +110,8 @@ class VllmServer:
     api_key: str = field(default="", repr=False)
     """Required of every /v1 call as `Authorization: Bearer` (vLLM's `--api-key`, given
     through VLLM_API_KEY so that it shows in no process listing); empty: none is."""
+    stream_interval: int = 1
+    """Tokens per stream chunk after the first (`--stream-interval`, RTRL_VLLM_STREAM_INTERVAL)."""
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.85
     extra_args: tuple[str, ...] = ()
@@ -127,6 +129,7 @@ class VllmServer:
             tool_call_parser=settings.tool_call_parser or None,
             api_key=settings.vllm_api_key.get_secret_value(),
             max_completion_tokens=settings.max_completion_tokens,
+            stream_interval=settings.vllm_stream_interval,
         )
 
     @property
@@ -174,6 +177,8 @@ class VllmServer:
             "--disable-access-log-for-endpoints",
             "/health,/metrics,/ping",
         ]
+        if self.stream_interval > 1:
+            args += ["--stream-interval", str(self.stream_interval)]
         if self.tool_call_parser:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.max_model_len is not None:

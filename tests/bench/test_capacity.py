@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bench.capacity import Assumptions, Measured, plan
@@ -21,7 +23,8 @@ ASSUME = Assumptions(
     retention_days=30,
     kafka_retention_days=3,
     replica_tokens_per_s=2500.0,
-    gateway_completions_per_s=540.0,
+    gateway_cpu_ms=3.5,
+    gateway_cpu_ms_per_token=0.1,
     partition_mb_per_s=5.0,
     utilisation=0.6,
     prompt_tokens=2000,
@@ -37,6 +40,8 @@ def test_the_plan_scales_with_the_requests_a_day() -> None:
     assert large.peak_events_per_s == pytest.approx(large.peak_completions_per_s * 6)
     assert large.vllm_replicas == 695  # ceil(3472 * 300 / (2500 * 0.6))
     assert large.worker_processes == 9  # ceil(3472 * 1.5 ms of worker CPU / 0.6)
+    # Each completion streamed token by token: 3.5 ms + 300 tokens * 0.1 ms of gateway CPU.
+    assert large.gateway_processes == 194  # ceil(3472 * 33.5 ms / 0.6)
     assert large.postgres_bytes_per_day == pytest.approx(100e6 * 20_900)
     assert large.postgres_bytes_retained == pytest.approx(30 * large.postgres_bytes_per_day)
     for sized in (small, large):
@@ -44,3 +49,12 @@ def test_the_plan_scales_with_the_requests_a_day() -> None:
         assert sized.kafka_partitions >= 2 * sized.worker_processes
         assert sized.kafka_partitions & (sized.kafka_partitions - 1) == 0
     assert large.postgres_bytes_per_day == pytest.approx(100 * small.postgres_bytes_per_day)
+
+
+def test_gateways_are_sized_by_the_tokens_they_relay() -> None:
+    short = plan(100_000_000, MEASURED, dataclasses.replace(ASSUME, completion_tokens=100))
+    long = plan(100_000_000, MEASURED, dataclasses.replace(ASSUME, completion_tokens=1000))
+
+    # Every streamed token is a chunk the gateway relays: 13.5 ms against 103.5 ms of CPU.
+    assert short.gateway_processes == 79  # ceil(3472 * 13.5 ms / 0.6)
+    assert long.gateway_processes == 599  # ceil(3472 * 103.5 ms / 0.6)

@@ -223,12 +223,12 @@ def test_a_server_started_with_an_api_key_serves_only_the_calls_that_carry_it(
     assert key not in server.log_file.read_text()
 
 
-def test_the_launched_server_holds_a_request_that_sets_no_max_tokens_to_the_cap(
+def test_the_launched_server_caps_max_tokens_and_streams_in_the_set_interval(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     settings = Settings(
         data_dir=tmp_path, base_model=tiny_model_dir, embedded_vllm_port=free_port()
-    ).model_copy(update={"max_completion_tokens": 8})
+    ).model_copy(update={"max_completion_tokens": 8, "vllm_stream_interval": 3})
     server = VllmServer.from_settings(settings)
     server.start(timeout=300)
     try:
@@ -243,5 +243,26 @@ def test_the_launched_server_holds_a_request_that_sets_no_max_tokens_to_the_cap(
         # Without it, the tiny model would go on to its 1,024-token context.
         assert generated() == (8, "length")
         assert generated(max_tokens=3) == (3, "length")
+
+        # Streamed: the first token at once, then three a chunk, each with its logprob.
+        chunks: list[tuple[int, int]] = []
+        body = {
+            "model": "base",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+        }
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        entries = (choice.get("logprobs") or {}).get("content") or []
+                        chunks.append((len(choice.get("token_ids") or []), len(entries)))
+        tokens = [count for count, _ in chunks if count]
+        assert tokens == [1, 3, 3, 1]
+        assert all(count == logprobs for count, logprobs in chunks)
     finally:
         server.stop()

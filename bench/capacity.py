@@ -240,9 +240,10 @@ class Plan:
     kafka_bytes_retained: float
 
 
-def gateway_cpu_s(assume: Assumptions, completion_tokens: int) -> float:
+def gateway_cpu_s(assume: Assumptions) -> float:
     """CPU seconds one gateway process spends on a completion streamed token by token."""
-    return (assume.gateway_cpu_ms + completion_tokens * assume.gateway_cpu_ms_per_token) / 1000
+    tokens_ms = assume.completion_tokens * assume.gateway_cpu_ms_per_token
+    return (assume.gateway_cpu_ms + tokens_ms) / 1000
 
 
 def plan(requests_per_day: int, measured: Measured, assume: Assumptions) -> Plan:
@@ -266,9 +267,7 @@ def plan(requests_per_day: int, measured: Measured, assume: Assumptions) -> Plan
         kafka_partitions=partitions,
         # A gateway process is one event loop: one core at most. Every completion is counted
         # as streamed, as IDE clients ask for them.
-        gateway_processes=math.ceil(
-            peak * gateway_cpu_s(assume, assume.completion_tokens) / assume.utilisation
-        ),
+        gateway_processes=math.ceil(peak * gateway_cpu_s(assume) / assume.utilisation),
         vllm_replicas=math.ceil(
             peak * assume.completion_tokens / (assume.replica_tokens_per_s * assume.utilisation)
         ),
@@ -340,7 +339,7 @@ def report(measured: Measured, assume: Assumptions) -> None:
         f"  vLLM replica {count(assume.replica_tokens_per_s)} generated tokens/s; Kafka "
         f"partition {assume.partition_mb_per_s:g} MB/s"
     )
-    streamed = gateway_cpu_s(assume, assume.completion_tokens)
+    streamed = gateway_cpu_s(assume)
     print(
         f"  gateway CPU {assume.gateway_cpu_ms:g} ms a completion + "
         f"{assume.gateway_cpu_ms_per_token:g} ms a streamed token: {streamed * 1000:.1f} ms a "

@@ -452,6 +452,9 @@ class Phase:
     """CPU time the gateway's processes used during the phase (all threads)."""
     loop_cpu_s: float = float("nan")
     """Of which its event loops' threads (each process's main thread)."""
+    own: list[tuple[float, float]] = field(default_factory=list)
+    """The gateway's own time in the phase's chats (`rtrl_http_overhead_seconds`, ms): its
+    histogram's cumulative counts by upper bound, counted during the phase."""
 
     @property
     def ok(self) -> list[Sample]:
@@ -468,6 +471,19 @@ class Phase:
     def quantile(self, q: float, first_byte: bool = False) -> float:
         values = [s.first_byte_ms if first_byte else s.total_ms for s in self.ok]
         return quantile(values, q)
+
+    def own_ms(self, q: float) -> float:
+        """A quantile of the gateway's own time, interpolated within its histogram bucket."""
+        if not self.own or not self.own[-1][1]:
+            return float("nan")
+        rank, lower, below = q * self.own[-1][1], 0.0, 0.0
+        for upper, count in self.own:
+            if count >= rank:
+                if math.isinf(upper):
+                    return lower
+                return lower + (upper - lower) * (rank - below) / max(count - below, 1e-9)
+            lower, below = upper, count
+        return lower
 
     def cpu_ms(self, loop: bool = False) -> float:
         """The gateway's CPU time per request answered (its event loops' alone: `loop`)."""
@@ -674,6 +690,22 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> str:
         return str(response.headers["X-Rtrl-Checkpoint"])
 
 
+OWN_METRIC = "rtrl_http_overhead_seconds_bucket"
+
+
+def own_buckets(gateway: str) -> dict[float, float]:
+    """The chat route's `rtrl_http_overhead_seconds` so far: cumulative count by bound (ms)."""
+    with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(f"{OWN_METRIC}{{") and 'route="/v1/chat/completions"' in line:
+            labels, _, value = line.partition("} ")
+            bound = labels.split('le="')[1].split('"')[0]
+            buckets[float(bound) * 1000] = float(value)
+    return buckets
+
+
 def counted(gateway: str, metric: str, label: str) -> dict[str, float]:
     """A counter of the gateway's /metrics summed by one of its labels."""
     with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as response:
@@ -757,7 +789,8 @@ def interleaved(
             batches = int(args.feedback_rate * seconds)
             feedback_config(config, setup.gateway_url, setup.key, setup.request_ids, batches)
             side.append(feedback_command(config, args.feedback_rate, work / "feedback.out"))
-        phases[phase_name(target)] = run_hey(
+        own_before = own_buckets(setup.gateway_url) if gateway else {}
+        phase = phases[phase_name(target)] = run_hey(
             target,
             stream=stream,
             rate=rate,
@@ -766,6 +799,11 @@ def interleaved(
             side_load=side,
             measured_pid=measured.pid if measured else None,
         )
+        if gateway:
+            own_after = own_buckets(setup.gateway_url)
+            phase.own = sorted(
+                (bound, count - own_before.get(bound, 0.0)) for bound, count in own_after.items()
+            )
         if side:
             more, failed = read_feedback(work / "feedback.out")
             latencies += more
@@ -785,22 +823,30 @@ class Added:
     p99: float
     cpu_ms: float
     loop_cpu_ms: float
+    own_p50: float = float("nan")
+    """The gateway's own time to the first byte (`rtrl_http_overhead_seconds`), ms."""
+    own_p99: float = float("nan")
 
 
 def print_rounds(
-    title: str, rounds: list[dict[str, Phase]], workloads: list[str], *, first_byte: bool = False
+    title: str,
+    rounds: list[dict[str, Phase]],
+    workloads: list[str],
+    *,
+    first_byte: bool = False,
+    own: bool = True,
 ) -> dict[str, Added]:
-    """Per workload and round: the direct call, and what the gateway adds to it; then what the
-    bare proxy adds to the plain chat's."""
+    """Per workload and round: the direct call, what the gateway adds to it and (`own`) its
+    own time to the first byte; then what the bare proxy adds to the plain chat's."""
     print(f"\n{title}")
     print(
         f"  {'workload':<13} {'round':>5} {'direct p50':>10} {'p99':>6} │"
         f" {'gateway p50':>11} {'p99':>6} {'+p50':>6} {'+p99':>6} │ {'req/s':>6} {'errors':>6}"
-        f" │ {'CPU ms/req':>10} {'loop':>5}"
+        f" │ {'CPU ms/req':>10} {'loop':>5}" + (f" │ {'own p50':>7} {'p99':>5}" if own else "")
     )
     medians: dict[str, Added] = {}
     for workload in workloads:
-        added50, added99, cpu, loop = [], [], [], []
+        added50, added99, cpu, loop, own50, own99 = [], [], [], [], [], []
         for n, phases in enumerate(rounds, start=1):
             direct, gateway = phases[f"direct/{workload}"], phases[f"gateway/{workload}"]
             a50 = added(direct, gateway, 0.5, first_byte)
@@ -809,6 +855,8 @@ def print_rounds(
             added99.append(a99)
             cpu.append(gateway.cpu_ms())
             loop.append(gateway.cpu_ms(loop=True))
+            own50.append(gateway.own_ms(0.5))
+            own99.append(gateway.own_ms(0.99))
             print(
                 f"  {WORKLOADS[workload].name:<13} {n:>5}"
                 f" {direct.quantile(0.5, first_byte):>10.1f}"
@@ -817,12 +865,15 @@ def print_rounds(
                 f" {gateway.quantile(0.99, first_byte):>6.1f} {a50:>6.1f} {a99:>6.1f} │"
                 f" {gateway.achieved:>6.1f} {direct.errors + gateway.errors:>6} │"
                 f" {cpu[-1]:>10.2f} {loop[-1]:>5.2f}"
+                + (f" │ {own50[-1]:>7.2f} {own99[-1]:>5.2f}" if own else "")
             )
         medians[workload] = Added(
             statistics.median(added50),
             statistics.median(added99),
             statistics.median(cpu),
             statistics.median(loop),
+            statistics.median(own50),
+            statistics.median(own99),
         )
     if all("proxy" in phases for phases in rounds):
         first = workloads[0]
@@ -872,6 +923,18 @@ def print_side_by_side(
         + ("all" if not over else "no: " + ", ".join(over))
         + f"; load average {os.getloadavg()[0]:.1f}"
     )
+    owned = [(title, medians) for title, medians in modes if title != "stream total"]
+    print(
+        "\nof which the gateway's own time, to the first byte less vLLM's wait "
+        "(rtrl_http_overhead_seconds; ms, p50 / p99); the rest is the hop and the machine"
+    )
+    print(f"  {'':<13}" + "".join(f" │ {title:^13}" for title, _ in owned))
+    for workload in workloads:
+        cells = [
+            f" │ {medians[workload].own_p50:>5.2f} / {medians[workload].own_p99:<5.2f}"
+            for _, medians in owned
+        ]
+        print(f"  {WORKLOADS[workload].name:<13}" + "".join(cells))
 
 
 def sweep(setup: Setup, rates: list[float], args: Any) -> list[tuple[float, Phase, Phase]]:
@@ -1270,7 +1333,9 @@ def report(setup: Setup, workloads: list[str], rates: list[float], args: Any) ->
         ),
         (
             "stream total",
-            print_rounds(f"streaming, {args.rate:g} req/s: total time (ms)", streamed, workloads),
+            print_rounds(
+                f"streaming, {args.rate:g} req/s: total time (ms)", streamed, workloads, own=False
+            ),
         ),
     ]
     print(

@@ -96,6 +96,7 @@ async def chat_completions(
         parent_request_id=_id_header(request, "x-rtrl-parent-request-id"),
         edit_requested_explicitly=edit_header is not None,
     )
+    request.state.upstream_wait = call.upstream_wait
     in_flight: InFlight = request.app.state.in_flight
     release = in_flight.admit(principal.key_id)
     streaming = False

@@ -114,6 +114,17 @@ def _check_schema(parameters: dict[str, Any]) -> CheckedSchema:
     return CheckedSchema(None, validator)
 
 
+class CheckedParameters(dict[str, Any]):
+    """A tool's parameter schema as declared, carrying the verdict it was validated with: the
+    answer's tool calls are judged by the same validator, not one looked up again."""
+
+    __slots__ = ("checked",)
+
+    def __init__(self, parameters: dict[str, Any], checked: CheckedSchema) -> None:
+        super().__init__(parameters)
+        self.checked = checked
+
+
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -125,11 +136,12 @@ class FunctionSpec(BaseModel):
     @field_validator("parameters")
     @classmethod
     def _a_json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        if parameters:
-            problem = checked_schema(parameters).problem
-            if problem:
-                raise ValueError(problem)
-        return parameters
+        if not parameters:
+            return parameters
+        checked = checked_schema(parameters)
+        if checked.problem:
+            raise ValueError(checked.problem)
+        return CheckedParameters(parameters, checked)
 
     @property
     def validator(self) -> Validator | None:
@@ -137,6 +149,8 @@ class FunctionSpec(BaseModel):
         are not a schema a validator can be built from)."""
         if not self.parameters:
             return None
+        if isinstance(self.parameters, CheckedParameters):
+            return self.parameters.checked.validator
         if self._checked is None:
             self._checked = checked_schema(self.parameters)
         return self._checked.validator

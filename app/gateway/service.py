@@ -60,6 +60,7 @@ from app.gateway.upstream import (
 )
 from app.http.errors import ApiError
 from app.models import Sample
+from app.observability import UpstreamWait
 from app.serving.vllm import vllm_device
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ class ChatCall:
     edit_requested_explicitly: bool = False
     """X-Rtrl-Edit-Request was sent: it wins over what the run was asked."""
     link: RunLink = field(default_factory=lambda: RunLink())
+    upstream_wait: UpstreamWait = field(default_factory=lambda: UpstreamWait())
+    """How long vLLM took to answer: the rest of the request's time is the gateway's own."""
 
     @property
     def run_owner(self) -> str:
@@ -427,9 +430,9 @@ class Gateway:
         self, call: ChatCall, assignment: Assignment
     ) -> tuple[UpstreamReply, Assignment]:
         try:
-            reply = await self.upstream.post(
-                CHAT_PATH, self.upstream_body(call, assignment.checkpoint)
-            )
+            body = self.upstream_body(call, assignment.checkpoint)
+            call.upstream_wait.ask()
+            reply = await self.upstream.post(CHAT_PATH, body)
             if reply.status == 404 and self._can_fall_back(assignment):
                 assignment = self._fallback(assignment)
                 reply = await self.upstream.post(
@@ -442,6 +445,7 @@ class Gateway:
         except BROKEN as exc:
             self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
             raise ApiError(502, "The model server failed mid-request.", type="api_error") from exc
+        call.upstream_wait.answer()
         if reply.status != 200:
             self._refused(call, assignment, reply.status, reply.body)
         return reply, assignment
@@ -466,9 +470,9 @@ class Gateway:
         self, call: ChatCall, assignment: Assignment, stack: AsyncExitStack
     ) -> tuple[UpstreamStream, Assignment]:
         try:
-            response = await stack.enter_async_context(
-                self.upstream.stream(CHAT_PATH, self.upstream_body(call, assignment.checkpoint))
-            )
+            body = self.upstream_body(call, assignment.checkpoint)
+            call.upstream_wait.ask()
+            response = await stack.enter_async_context(self.upstream.stream(CHAT_PATH, body))
             if response.status == 404 and self._can_fall_back(assignment):
                 await stack.aclose()
                 assignment = self._fallback(assignment)
@@ -497,6 +501,7 @@ class Gateway:
         record = CompletionRecord()
         try:
             async for lines in response.line_batches():
+                call.upstream_wait.answer()
                 relayed = []
                 for line in lines:
                     if not _is_done(line):

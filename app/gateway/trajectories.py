@@ -83,7 +83,7 @@ class Placement:
         """Whether the parent's served tokens are an exact prefix of this prompt's."""
         if self.parent is None or prompt_token_ids is None:
             return None
-        head = list(prompt_token_ids[: self.parent.token_count])
+        head = prompt_token_ids[: self.parent.token_count]
         matched = len(head) == self.parent.token_count and token_digest(head) == (
             self.parent.token_digest
         )
@@ -92,7 +92,8 @@ class Placement:
 
 
 def token_digest(token_ids: Sequence[int]) -> str:
-    return hashlib.blake2b(orjson.dumps(list(token_ids)), digest_size=16).hexdigest()
+    ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+    return hashlib.blake2b(orjson.dumps(ids), digest_size=16).hexdigest()
 
 
 def _arguments(arguments: Any) -> Any:

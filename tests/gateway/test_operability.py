@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.observability import JsonFormatter, request_id_var
 
@@ -28,6 +29,51 @@ def test_health_readiness_and_metrics(gateway_server: Any, ide_key: str) -> None
     assert 'rtrl_spool_depth{where="disk"}' in metrics
     assert "rtrl_kafka_connected 1.0" in metrics
     assert "rtrl_spool_retained_bytes" in metrics
+
+
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+def route_sums(gateway_url: str) -> dict[str, tuple[float, float]]:
+    """(count, sum) of each HTTP time histogram on the chat route."""
+    sums: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{gateway_url}/metrics").text):
+        if family.name not in ("rtrl_http_overhead_seconds", "rtrl_http_request_seconds"):
+            continue
+        values = {
+            sample.name.rsplit("_", 1)[1]: sample.value
+            for sample in family.samples
+            if sample.labels.get("route") == CHAT_ROUTE and sample.name.endswith(("_count", "_sum"))
+        }
+        sums[family.name] = (values.get("count", 0.0), values.get("sum", 0.0))
+    return sums
+
+
+def test_the_gateways_own_time_leaves_out_the_models(gateway_server: Any, ide_key: str) -> None:
+    """Ops tell a slow gateway from a slow model: each answered chat adds the time to its first
+    byte less vLLM's time to answer (a stream's first chunk) to rtrl_http_overhead_seconds."""
+    before = route_sums(gateway_server.url)
+    headers = {"Authorization": f"Bearer {ide_key}"}
+    body = {"model": "rtrl", "messages": [{"role": "user", "content": "Say hi."}]}
+    with httpx.Client(base_url=gateway_server.url, headers=headers, timeout=60) as http:
+        # Forty tokens keep vLLM busy for far longer than the gateway's own work.
+        answered = http.post(CHAT_ROUTE, json=body | {"max_tokens": 40, "ignore_eos": True})
+        assert answered.status_code == 200, answered.text
+        with http.stream("POST", CHAT_ROUTE, json=body | {"max_tokens": 4, "stream": True}) as s:
+            assert s.status_code == 200
+            s.read()
+        refused = http.post(CHAT_ROUTE, json=body | {"temperature": -1})
+        assert refused.status_code == 400
+    after = route_sums(gateway_server.url)
+
+    def delta(name: str) -> tuple[float, float]:
+        (count_before, sum_before), (count, total) = before.get(name, (0, 0)), after[name]
+        return count - count_before, total - sum_before
+
+    overhead_count, overhead_s = delta("rtrl_http_overhead_seconds")
+    request_count, request_s = delta("rtrl_http_request_seconds")
+    assert (overhead_count, request_count) == (2, 3)  # the refused request waited on nothing
+    assert 0 < overhead_s < request_s / 2
 
 
 def test_log_lines_are_json_with_the_request_id(caplog: pytest.LogCaptureFixture) -> None:

@@ -22,7 +22,10 @@ non-streaming (hey's total time per request) and streaming (hey's "response-dela
 written to first response byte, TTFB, and the total). Feedback is posted to the gateway
 while the gateway is measured, and the gateway's CPU time per request is read from /proc.
 A table then puts the workloads side by side against the budget (--p50-budget-ms,
---p99-budget-ms). Then a sweep of rates finds the highest at which the plain chat's p99
+--p99-budget-ms), and another the gateway's own time to the first byte, read from its
+`rtrl_http_overhead_seconds` histogram during each phase (interpolated within a bucket:
+0.25 ms wide up to 4 ms): what the client sees added, less the hop and the time the request
+waited outside the app. Then a sweep of rates finds the highest at which the plain chat's p99
 added stays within --p99-budget-ms. With --profile, py-spy samples the gateway (the thread
 holding the GIL) through one more non-streaming and one more streaming phase of each
 workload and the report ends with the frames that took its time.

@@ -255,7 +255,8 @@ def test_the_launched_server_caps_max_tokens_and_streams_in_the_set_interval(
             "top_logprobs": 0,
             "return_token_ids": True,
         }
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+        stream = httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        with stream as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     for choice in json.loads(line[6:])["choices"]:

@@ -244,7 +244,7 @@ def test_the_launched_server_caps_max_tokens_and_streams_in_the_set_interval(
         assert generated() == (8, "length")
         assert generated(max_tokens=3) == (3, "length")
 
-        # Streamed: the first token at once, then three a chunk, each with its logprob.
+        # Streamed: the first token at once, then (at least) three a chunk, each with its logprob.
         chunks: list[tuple[int, int]] = []
         body = {
             "model": "base",
@@ -263,7 +263,10 @@ def test_the_launched_server_caps_max_tokens_and_streams_in_the_set_interval(
                         entries = (choice.get("logprobs") or {}).get("content") or []
                         chunks.append((len(choice.get("token_ids") or []), len(entries)))
         tokens = [count for count, _ in chunks if count]
-        assert tokens == [1, 3, 3, 1]
+        # [1, 3, 3, 1] on a quiet machine; a busy server may fold a late chunk into the next
+        # ([1, 3, 4] seen in CI), never split one below the interval but at the end.
+        assert tokens[0] == 1 and sum(tokens) == 8 and len(tokens) <= 4, tokens
+        assert all(count >= 3 for count in tokens[1:-1]), tokens
         assert all(count == logprobs for count, logprobs in chunks)
     finally:
         server.stop()

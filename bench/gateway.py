@@ -61,11 +61,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample as MetricSample
 
 from app.auth.service import new_api_key
 from app.db import make_engine, session_scope
 from app.embedded.process import free_port, wait_for_port
 from app.embedded.stack import EmbeddedStack
+from app.gateway.service import CHAT_PATH
 from app.models import Checkpoint, CheckpointStatus, Role
 from app.registry.experiments import start_canary
 from app.serving.checkpoints import ensure_base_checkpoint
@@ -354,7 +357,7 @@ def serve_fixed_upstream(port: int, delay_ms: float, chunks: int, chunk_gap_ms: 
             raw += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        if scope["path"] != "/v1/chat/completions":
+        if scope["path"] != CHAT_PATH:
             content = models if scope["path"] == "/v1/models" else b"{}"
             await send({"type": "http.response.start", "status": 200, "headers": json_headers})
             await send({"type": "http.response.body", "body": content})
@@ -696,29 +699,29 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> str:
 OWN_METRIC = "rtrl_http_overhead_seconds_bucket"
 
 
-def own_buckets(gateway: str) -> dict[float, float]:
-    """The chat route's `rtrl_http_overhead_seconds` so far: cumulative count by bound (ms)."""
+def scraped(gateway: str) -> list[MetricSample]:
+    """Every sample of the gateway's /metrics, as prometheus_client parses them."""
     with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as response:
         text = response.read().decode()
-    buckets: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith(f"{OWN_METRIC}{{") and 'route="/v1/chat/completions"' in line:
-            labels, _, value = line.partition("} ")
-            bound = labels.split('le="')[1].split('"')[0]
-            buckets[float(bound) * 1000] = float(value)
-    return buckets
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def own_buckets(gateway: str) -> dict[float, float]:
+    """The chat route's `rtrl_http_overhead_seconds` so far: cumulative count by bound (ms)."""
+    return {
+        float(sample.labels["le"]) * 1000: sample.value
+        for sample in scraped(gateway)
+        if sample.name == OWN_METRIC and sample.labels.get("route") == CHAT_PATH
+    }
 
 
 def counted(gateway: str, metric: str, label: str) -> dict[str, float]:
     """A counter of the gateway's /metrics summed by one of its labels."""
-    with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    counts: collections.Counter[str] = collections.Counter()
-    for line in text.splitlines():
-        if line.startswith(f"{metric}{{"):
-            labels, _, value = line.partition("} ")
-            counts[labels.split(f'{label}="')[1].split('"')[0]] += int(float(value))
-    return {name: float(count) for name, count in counts.items()}
+    counts: collections.defaultdict[str, float] = collections.defaultdict(float)
+    for sample in scraped(gateway):
+        if sample.name == metric:
+            counts[sample.labels[label]] += sample.value
+    return dict(counts)
 
 
 # -- the bench --------------------------------------------------------------------------------

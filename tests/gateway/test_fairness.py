@@ -3,6 +3,7 @@ its next request is a 429 at once, and other keys are served meanwhile."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -44,11 +45,22 @@ def test_a_key_past_its_requests_in_flight_gets_a_429_and_others_are_served(
         return httpx.post(url, json=body(), headers=headers(key), timeout=120)
 
     def burst() -> tuple[list[httpx.Response], httpx.Response]:
-        """Eight at once from one key, one from another key among them."""
-        with ThreadPoolExecutor(9) as pool:
-            futures = [pool.submit(ask, greedy) for _ in range(8)]
-            others = pool.submit(ask, other)
-            return [future.result() for future in futures], others.result()
+        """Eight at once from one key, one from another key among them: one client, and
+        the nine requests sent together behind a barrier
+        (threads that each opened their own client were seen to arrive one at a time on a
+        loaded machine, each answered before the next came)."""
+        start = threading.Barrier(9)
+        limits = httpx.Limits(max_connections=9, max_keepalive_connections=9)
+        with httpx.Client(timeout=120, limits=limits) as client:
+
+            def send(key: str) -> httpx.Response:
+                start.wait(timeout=60)
+                return client.post(url, json=body(), headers=headers(key))
+
+            with ThreadPoolExecutor(9) as pool:
+                futures = [pool.submit(send, greedy) for _ in range(8)]
+                others = pool.submit(send, other)
+                return [future.result() for future in futures], others.result()
 
     # On a starved machine a connect to the local vLLM can pass its 2 s limit: such an answer
     # is a clear 503 `upstream_unavailable` that gives its place back at once, so the burst's

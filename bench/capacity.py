@@ -16,7 +16,8 @@ retention window, with every assumption it used printed beside it.
     python -m bench.capacity [--completions 1000] [--prompt-tokens 2000]
         [--completion-tokens 300] [--replica-tokens-per-s 2500] [--peak-to-mean 3]
 
-(from the repository root: run as a file, a bench module would shadow the `workers` package)
+(run with `-m` from the repository root: run as a file, bench/workers.py would shadow the
+`workers` package)
 """
 
 from __future__ import annotations

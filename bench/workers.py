@@ -15,7 +15,8 @@ Postgres), which stays comparable on a machine that other work is sharing.
 `--parts` also prints where the pipeline's CPU goes, per event: decoding, storing the rows,
 loading what distillation reads, distilling, writing the rewards, and Postgres's share of each.
 
-(from the repository root: run as a file, this module would shadow the `workers` package)
+(run with `-m` from the repository root: run as a file, this module would shadow the `workers`
+package)
 """
 
 from __future__ import annotations

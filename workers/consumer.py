@@ -34,6 +34,7 @@ from app.events import DeadLetter, decode_completion, decode_feedback, encode
 from app.heartbeat import Heartbeat
 from app.kafka_clients import COMPRESSION, kafka_client, kafka_security
 from app.signals.rewards import reward_weights
+from app.topic_ids import TopicIds
 from app.topics import check_topic_durability
 from workers.config import WorkerConfig
 from workers.metrics import (
@@ -54,6 +55,7 @@ from workers.repository import (
 )
 from workers.store import feedback_row, sample_row, store_events
 from workers.sweep import finalize_due_rewards, overdue_seconds
+from workers.topics import RecreatedTopics
 from workers.watermarks import StreamWatermarks
 
 log = logging.getLogger(__name__)
@@ -470,23 +472,36 @@ def run_worker(
         return
     consumer, producer = connected
     engine = make_worker_engine(settings.database_url)
+    topics = (config.completions_topic, config.feedback_topic)
+    recreated = RecreatedTopics(
+        TopicIds(
+            settings.kafka_bootstrap_servers,
+            security=kafka_security(settings),
+            client_id="rtrl-worker-topics",
+        ),
+        topics,
+    )
     try:
-        consumer.subscribe([config.completions_topic, config.feedback_topic])
+        if config.topic_check_interval_s is not None:
+            recreated.check(consumer)  # the logs this worker starts on
+        consumer.subscribe(list(topics))
         log.info(
             "worker consuming %s and %s as group %s",
             config.completions_topic,
             config.feedback_topic,
             config.group_id,
         )
-        last_sweep = last_monitor = last_guardrails = time.monotonic()
+        last_sweep = last_monitor = last_guardrails = last_topic_check = time.monotonic()
         heartbeat = Heartbeat(settings.heartbeat_file)
         watermarks = StreamWatermarks()
-        topics = (config.completions_topic, config.feedback_topic)
         while not stop_event.is_set():
             heartbeat.beat()
             consume_batch(consumer, producer, engine, config, stop_event, watermarks)
             record_lag(consumer, topics)
             now = time.monotonic()
+            if _due(config.topic_check_interval_s, last_topic_check, now):
+                last_topic_check = now
+                _run_safely("topic check", partial(recreated.check, consumer))
             # On a timer, under full load too: each owned partition is swept up to how far
             # its stream has been read, so a backlog's feedback is stored before its rewards
             # are frozen, and a peer's partitions are left to the peer.
@@ -507,6 +522,7 @@ def run_worker(
                     lambda: check_guardrails(engine, rollback=True, redis_url=settings.redis_url),
                 )
     finally:
+        recreated.close()
         consumer.close(autocommit=False)
         producer.close(timeout=10)
         engine.dispose()

@@ -30,6 +30,12 @@ CONSUMER_LAG = Gauge(
     "Messages not yet read on the partitions this worker owns, by topic.",
     ["topic"],
 )
+TOPICS_RECREATED = Counter(
+    "rtrl_worker_topics_recreated_total",
+    "Topics this worker found re-created under a new topic id (the broker lost their log), "
+    "whose partitions it then read again from the start.",
+    ["topic"],
+)
 REWARDS_SWEPT = Counter(
     "rtrl_rewards_swept_total", "Open rewards the timed sweep finalized once they were due."
 )

@@ -4,7 +4,8 @@ A topic gets its id when it is created, and a broker that keeps its log keeps th
 restarts. A broker that lost its log has the topic re-created under a new id: the embedded
 Tansu after any restart (it keeps messages in memory only), or any Kafka whose topic was
 deleted and created again. The cluster id cannot tell: Tansu reports `tansu_cluster` after
-every restart.
+every restart. The gateways' event sink watches the ids to send its retained events again;
+the workers, to read a re-created log from its start.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class TopicIds:
         *,
         timeout_ms: int = 3_000,
         security: Mapping[str, Any] | None = None,
+        client_id: str = "rtrl-gateway-topics",
     ) -> None:
         self._options = {
             "bootstrap_servers": bootstrap_servers.split(","),
-            "client_id": "rtrl-gateway-topics",
+            "client_id": client_id,
             "request_timeout_ms": timeout_ms,
             "bootstrap_timeout_ms": timeout_ms,
             **(security or {}),

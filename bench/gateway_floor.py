@@ -29,6 +29,7 @@ from typing import Any
 
 import uvloop
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.routing import APIRoute
 from redis.asyncio import Redis
 from starlette.applications import Starlette
 from starlette.routing import Route
@@ -37,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 from app.embedded.process import free_port
 from app.embedded.redis import EmbeddedRedis
 from app.http.errors import BodySizeLimit, install_error_handlers
+from app.http.routes import DirectRoute
 from app.observability import RequestObservability
 
 ASGI = Callable[..., Awaitable[None]]
@@ -131,12 +133,19 @@ def framework_apps() -> dict[str, ASGI]:
         await request.body()
         return Response(ANSWER, media_type="application/json", headers={"X-Rtrl-Checkpoint": "c"})
 
-    def fastapi_app(middleware: bool) -> FastAPI:
+    def fastapi_app(middleware: bool, route_class: type[APIRoute] = APIRoute) -> FastAPI:
         app = FastAPI()
 
-        @app.post("/v1/chat/completions", response_model=None)
         async def chat(request: Request, _: str = Depends(principal)) -> Response:
             return await read_and_answer(request)
+
+        app.router.add_api_route(
+            "/v1/chat/completions",
+            chat,
+            methods=["POST"],
+            response_model=None,
+            route_class_override=route_class,
+        )
 
         if middleware:  # as app.main.create_app adds them
             install_error_handlers(app)
@@ -156,7 +165,9 @@ def framework_apps() -> dict[str, ASGI]:
 
     return {
         "FastAPI route + the gateway's middleware": fastapi_app(middleware=True),
+        "DirectRoute + the gateway's middleware": fastapi_app(True, DirectRoute),
         "FastAPI route": fastapi_app(middleware=False),
+        "DirectRoute": fastapi_app(False, DirectRoute),
         "Starlette route": Starlette(
             routes=[Route("/v1/chat/completions", starlette_endpoint, methods=["POST"])]
         ),

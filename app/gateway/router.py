@@ -45,6 +45,7 @@ from app.gateway.service import ChatCall, Gateway
 from app.gateway.toolcalls import looks_like_edit_request, message_text
 from app.http.dependencies import require_role
 from app.http.errors import ApiError
+from app.http.routes import DirectRoute
 from app.models import Role
 
 router = APIRouter(prefix="/v1", tags=["gateway"])
@@ -63,7 +64,6 @@ async def list_models(_: Principal = Depends(require_role(Role.ide))) -> ModelLi
     return ModelList(data=[ModelCard(id=ROUTED_MODEL)])
 
 
-@router.post("/chat/completions", response_model=None)
 async def chat_completions(
     request: Request, principal: Principal = Depends(require_role(Role.ide))
 ) -> Response:
@@ -120,6 +120,16 @@ async def chat_completions(
     finally:
         if not streaming:
             release()
+
+
+# The hot path: its one dependency (the key's role) is called without FastAPI's solving.
+router.add_api_route(
+    "/chat/completions",
+    chat_completions,
+    methods=["POST"],
+    response_model=None,
+    route_class_override=DirectRoute,
+)
 
 
 def _served_headers(

@@ -45,10 +45,9 @@ def test_a_key_past_its_requests_in_flight_gets_a_429_and_others_are_served(
         return httpx.post(url, json=body(), headers=headers(key), timeout=120)
 
     def burst() -> tuple[list[httpx.Response], httpx.Response]:
-        """Eight at once from one key, one from another key among them: one client, and
-        the nine requests sent together behind a barrier
-        (threads that each opened their own client were seen to arrive one at a time on a
-        loaded machine, each answered before the next came)."""
+        """Eight at once from one key, one from another key among them, from one client
+        behind a barrier (threads that each opened a client of their own were seen to arrive
+        one at a time on a loaded machine, each answered before the next came)."""
         start = threading.Barrier(9)
         limits = httpx.Limits(max_connections=9, max_keepalive_connections=9)
         with httpx.Client(timeout=120, limits=limits) as client:

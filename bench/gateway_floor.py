@@ -10,8 +10,9 @@ less library in between, in one run on this machine's event loop (uvloop, as the
   framework time per request of an in-process ASGI call (no socket) to an endpoint that
             reads the body and answers 8 bytes: behind the gateway's own middleware
             (request id, metrics, access log, body limit, error handlers) and a FastAPI route
-            with one dependency, as `/v1/chat/completions` is served; a FastAPI route alone;
-            a Starlette route; the middleware around a bare ASGI callable; a bare callable.
+            with one dependency; the same with `app.http.routes.DirectRoute`, as
+            `/v1/chat/completions` is served; each route alone; a Starlette route; the
+            middleware around a bare ASGI callable; a bare callable.
 
     python -m bench.gateway_floor [--requests 5000]
 """
@@ -36,7 +37,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from app.embedded.process import free_port
-from app.embedded.redis import EmbeddedRedis
+from app.embedded.redis import HOST, EmbeddedRedis
+from app.gateway.service import CHAT_PATH
 from app.http.errors import BodySizeLimit, install_error_handlers
 from app.http.routes import DirectRoute
 from app.observability import RequestObservability
@@ -63,11 +65,14 @@ async def per_call(
     return (clock() - started) / count * 1e6
 
 
-async def redis_floor(url: str, host: str, port: int, count: int) -> list[tuple[str, float]]:
-    rows = []
+async def redis_floor(redis: EmbeddedRedis, count: int) -> list[tuple[str, float]]:
+    """CPU per command, each command through each client."""
     value = b'{"session_id":"s","api_key_id":"k","privacy":false}'
+    clients: dict[str, dict[str, Callable[[int], Awaitable[Any]]]] = {}
+    opened: list[Redis] = []
     for label, timeout in (("redis-py", 5.0), ("redis-py, no socket timeout", None)):
-        client = Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=2)
+        client = Redis.from_url(redis.url, socket_timeout=timeout, socket_connect_timeout=2)
+        opened.append(client)
 
         async def set_nx(n: int, client: Redis = client) -> Any:
             return await client.set(f"floor:{uuid.uuid4().hex}", value, nx=True, ex=60)
@@ -81,14 +86,9 @@ async def redis_floor(url: str, host: str, port: int, count: int) -> list[tuple[
                     pipe.set(f"floor:t:{n}:{k}", value * 4, ex=60)
                 return await pipe.execute()
 
-        rows += [
-            (f"{label}: SET NX", await per_call(set_nx, count, time.process_time)),
-            (f"{label}: MGET of 4", await per_call(mget, count, time.process_time)),
-            (f"{label}: pipeline of 3 SETs", await per_call(pipeline, count, time.process_time)),
-        ]
-        await client.aclose()
+        clients[label] = {"SET NX": set_nx, "MGET of 4": mget, "pipeline of 3 SETs": pipeline}
 
-    reader, writer = await asyncio.open_connection(host, port)
+    reader, writer = await asyncio.open_connection(HOST, redis.port)
 
     async def bare(commands: list[bytes]) -> None:
         """Send the commands at once, then read a one-line reply (+OK, or nil) to each."""
@@ -108,20 +108,23 @@ async def redis_floor(url: str, host: str, port: int, count: int) -> list[tuple[
                 await reader.readline()
 
     async def bare_pipeline(n: int) -> None:
-        sets = [
-            _resp(b"SET", f"floor:t:{n}:{k}".encode(), value * 4, b"EX", b"60") for k in range(3)
-        ]
-        await bare(sets)
+        await bare(
+            [_resp(b"SET", f"floor:t:{n}:{k}".encode(), value * 4, b"EX", b"60") for k in range(3)]
+        )
 
-    rows += [
-        ("bare stream: SET NX", await per_call(bare_set, count, time.process_time)),
-        ("bare stream: MGET of 4", await per_call(bare_mget, count, time.process_time)),
-        (
-            "bare stream: pipeline of 3 SETs",
-            await per_call(bare_pipeline, count, time.process_time),
-        ),
+    clients["bare stream"] = {
+        "SET NX": bare_set,
+        "MGET of 4": bare_mget,
+        "pipeline of 3 SETs": bare_pipeline,
+    }
+    rows = [
+        (f"{label}: {command}", await per_call(call, count, time.process_time))
+        for label, commands in clients.items()
+        for command, call in commands.items()
     ]
     writer.close()
+    for client in opened:
+        await client.aclose()
     return rows
 
 
@@ -140,7 +143,7 @@ def framework_apps() -> dict[str, ASGI]:
             return await read_and_answer(request)
 
         app.router.add_api_route(
-            "/v1/chat/completions",
+            CHAT_PATH,
             chat,
             methods=["POST"],
             response_model=None,
@@ -169,7 +172,7 @@ def framework_apps() -> dict[str, ASGI]:
         "FastAPI route": fastapi_app(middleware=False),
         "DirectRoute": fastapi_app(False, DirectRoute),
         "Starlette route": Starlette(
-            routes=[Route("/v1/chat/completions", starlette_endpoint, methods=["POST"])]
+            routes=[Route(CHAT_PATH, starlette_endpoint, methods=["POST"])]
         ),
         "the gateway's middleware + bare ASGI": RequestObservability(
             BodySizeLimit(bare, max_bytes=1 << 20)
@@ -203,8 +206,8 @@ async def framework_floor(count: int) -> list[tuple[str, float]]:
                 "http_version": "1.1",
                 "method": "POST",
                 "scheme": "http",
-                "path": "/v1/chat/completions",
-                "raw_path": b"/v1/chat/completions",
+                "path": CHAT_PATH,
+                "raw_path": CHAT_PATH.encode(),
                 "query_string": b"",
                 "root_path": "",
                 "headers": headers,
@@ -225,7 +228,7 @@ def main() -> None:
         redis = EmbeddedRedis(Path(root) / "redis", free_port())
         redis.start()
         try:
-            rows = uvloop.run(redis_floor(redis.url, "127.0.0.1", redis.port, args.requests))
+            rows = uvloop.run(redis_floor(redis, args.requests))
         finally:
             redis.stop()
     print(f"Redis, µs of CPU per command (this process; {args.requests} each, uvloop)")

@@ -11,37 +11,29 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
+from app.gateway.service import CHAT_PATH
 from app.http.errors import ApiError, install_error_handlers
 from app.http.routes import DirectRoute
 from app.models import Role
-
-
-def bearer(secret: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}"}
-
-
-def error_of(response: Any, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error: dict[str, Any] = response.json()["error"]
-    return error
+from tests.http.test_dependencies import assert_openai_error, bearer
 
 
 def test_the_chat_route_refuses_a_missing_key_and_a_wrong_role_before_any_model_call(
     client: TestClient, make_key: Callable[..., Any]
 ) -> None:
     body = {"model": "rtrl", "messages": [{"role": "user", "content": "hi"}]}
-    route = next(r for r in client.app.routes if getattr(r, "path", "") == "/v1/chat/completions")  # type: ignore[attr-defined]
+    route = next(r for r in client.app.routes if getattr(r, "path", "") == CHAT_PATH)  # type: ignore[attr-defined]
     assert isinstance(route, DirectRoute)
 
-    missing = error_of(client.post("/v1/chat/completions", json=body), 401)
+    missing = assert_openai_error(client.post(CHAT_PATH, json=body), 401, "authentication_error")
     assert missing["code"] == "missing_api_key"
     _, ops = make_key(Role.ops)
-    wrong = error_of(client.post("/v1/chat/completions", json=body, headers=bearer(ops)), 403)
-    assert wrong["code"] == "insufficient_role"
+    wrong = client.post(CHAT_PATH, json=body, headers=bearer(ops))
+    assert assert_openai_error(wrong, 403, "permission_error")["code"] == "insufficient_role"
     # An ide key is let through to the model, which is not running here: a clear 503.
     _, ide = make_key(Role.ide)
-    answer = client.post("/v1/chat/completions", json=body, headers=bearer(ide))
-    assert error_of(answer, 503)["code"] == "upstream_unavailable"
+    answer = client.post(CHAT_PATH, json=body, headers=bearer(ide))
+    assert assert_openai_error(answer, 503, "service_unavailable")["code"] == "upstream_unavailable"
     assert answer.headers["x-request-id"]
 
 
@@ -71,7 +63,8 @@ def test_it_calls_the_dependencies_and_the_endpoint_and_their_errors_reach_the_h
         assert client.post("/greet", content=b"abc", headers={"x-caller": "ada"}).text == (
             "hello ada, 3 bytes"
         )
-        assert error_of(client.post("/greet"), 401)["code"] == "anonymous"
+        anonymous = assert_openai_error(client.post("/greet"), 401, "authentication_error")
+        assert anonymous["code"] == "anonymous"
 
 
 def test_its_openapi_schema_is_the_fastapi_routes() -> None:

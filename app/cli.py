@@ -15,11 +15,11 @@ from app.auth.schemas import MAX_RATE_LIMIT_PER_MINUTE
 from app.bases import SHIPPED_BASES, BaseModelError, shipped_base_dir, verify_base
 from app.config import SettingsError, get_settings, refuse_development_secrets
 from app.db import make_engine, session_scope, upgrade_schema
-from app.embedded.kafka import DEFAULT_TOPICS, ensure_topics
-from app.embedded.process import ServiceError
+from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
+from app.processes import ServiceError
 from app.embedded.stack import EmbeddedStack, ServiceStatus
 from app.heartbeat import heartbeat_age
-from app.kafka_clients import kafka_security
+from app.kafka.clients import kafka_security
 from app.models import Checkpoint, Role
 from app.serving.checkpoints import (
     PublishError,
@@ -31,7 +31,7 @@ from app.serving.checkpoints import (
 from app.serving.replicas import ReplicaError
 from app.serving.vllm import VllmServer
 from app.simulator.command import simulate_command
-from app.topics import (
+from app.kafka.topics import (
     TopicDurabilityError,
     check_topic_durability,
     check_topics_if_reachable,

@@ -20,7 +20,7 @@ from app.bases import (
 )
 from app.config import Settings, embedded_vllm_url, settings_environment
 from app.db import make_engine, session_scope
-from app.embedded.process import (
+from app.processes import (
     ServiceError,
     log_tail,
     running_pid,

@@ -46,7 +46,7 @@ from app.gateway.sink import EventSink
 from app.gateway.spool import Retention
 from app.gateway.upstream import Upstream
 from app.http.errors import BodySizeLimit, install_error_handlers
-from app.kafka_clients import kafka_security
+from app.kafka.clients import kafka_security
 from app.observability import RequestObservability, configure_logging
 from app.shutdown import DrainingServer, Shutdown, ShutdownGate
 

@@ -46,7 +46,7 @@ from app.analytics.schemas import ExperimentResults, Window
 from app.analytics.service import experiment_results
 from app.db import make_async_engine, make_engine, upgrade_schema
 from app.embedded.postgres import EmbeddedPostgres
-from app.embedded.process import free_port
+from app.processes import free_port
 
 USERS_PER_ARM = 200
 FEWEST_REQUESTS, MOST_REQUESTS = 5, 60

@@ -37,7 +37,7 @@ from app.demo import (
     production_name,
     train_candidate,
 )
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.launcher import FullStack
 from trainer.agent_runs import compare_runs
 

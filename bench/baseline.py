@@ -55,7 +55,7 @@ from app.demo import (
     served_line,
     wait_for_rewards,
 )
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.launcher import FullStack
 from app.models import Checkpoint, CheckpointStatus
 from app.serving.parity import completion_logprobs

@@ -35,8 +35,8 @@ from sqlalchemy import text
 
 from app.config import Settings
 from app.db import upgrade_schema
-from app.embedded.kafka import ensure_topics
-from app.embedded.process import free_port
+from app.kafka.admin import ensure_topics
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import CompletionEvent, Event, encode
 from bench.workers import Clocks, Measurement, make_stream, run_pipeline

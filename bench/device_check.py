@@ -28,7 +28,7 @@ from transformers.utils import logging as transformers_logging
 
 from app.config import Settings, settings_environment
 from app.db import make_engine, session_scope, upgrade_schema
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.models import Checkpoint, TrainingRun
 from app.serving.checkpoints import ensure_base_checkpoint

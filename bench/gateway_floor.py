@@ -36,7 +36,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.redis import HOST, EmbeddedRedis
 from app.gateway.service import CHAT_PATH
 from app.http.errors import BodySizeLimit, install_error_handlers

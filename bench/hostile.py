@@ -57,10 +57,10 @@ from kafka.admin import KafkaAdminClient
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
-from app.embedded.kafka import DEFAULT_TOPICS
-from app.embedded.process import free_port
+from app.kafka.admin import DEFAULT_TOPICS
+from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
-from app.kafka_clients import kafka_client
+from app.kafka.clients import kafka_client
 from app.launcher import FullStack
 from app.models import Role
 

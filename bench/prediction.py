@@ -24,7 +24,7 @@ from typing import Any
 
 from app.config import Settings
 from app.demo import SCENARIO_CYCLES, DemoConfig, Scenario, demo_train_config, run_demo
-from app.embedded.process import free_port
+from app.processes import free_port
 
 METRICS = ("mean_reward", "kept", "malformed_call_rate", "dissatisfied_rate")
 

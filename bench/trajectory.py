@@ -41,7 +41,7 @@ from transformers.utils import logging as transformers_logging
 from app.config import Settings
 from app.db import make_engine
 from app.demo import DemoConfig, Ops, create_keys, demo_train_config
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.launcher import FullStack
 from bench.baseline import serve_first_cycle
 from bench.serving import load_average

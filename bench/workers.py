@@ -42,8 +42,8 @@ from sqlalchemy import func, select
 
 from app.config import Settings
 from app.db import upgrade_schema
-from app.embedded.kafka import ensure_topics
-from app.embedded.process import free_port
+from app.kafka.admin import ensure_topics
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import (
     CompletionEvent,
@@ -55,7 +55,7 @@ from app.events import (
     SessionEnd,
     encode,
 )
-from app.kafka_clients import COMPRESSION
+from app.kafka.clients import COMPRESSION
 from workers.config import WorkerConfig
 from workers.consumer import consume_batch, make_consumer, make_producer, tune_gc
 from workers.repository import array_literal, feedback_events, make_worker_engine, rewards

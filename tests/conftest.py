@@ -25,8 +25,8 @@ from app.auth.service import new_api_key
 from app.bases import DEFAULT_BASE, HACKING_BASE, install_base
 from app.config import Settings, get_settings
 from app.db import make_engine, session_scope
-from app.embedded.kafka import ensure_topics
-from app.embedded.process import free_port
+from app.kafka.admin import ensure_topics
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.models import ApiKey, Role

@@ -19,9 +19,9 @@ import yaml
 from sqlalchemy import Engine
 
 from app.config import Settings, refuse_development_secrets, settings_environment
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
-from app.kafka_clients import kafka_security
+from app.kafka.clients import kafka_security
 from app.launcher import RtrlProcess
 from trainer.config import TrainSettings
 

@@ -13,9 +13,9 @@ import pytest
 from kafka.errors import KafkaError
 
 from app.config import Settings
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC
-from app.topic_ids import TopicIds
+from app.kafka.topic_ids import TopicIds
 from workers.config import WorkerConfig
 from workers.consumer import make_consumer
 

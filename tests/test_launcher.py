@@ -9,7 +9,7 @@ from sqlalchemy import Engine
 
 from app.bases import DEFAULT_BASE, BaseModelError, shipped_base_dir, verify_base
 from app.config import Settings
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.launcher import FullStack
 

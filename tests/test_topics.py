@@ -18,9 +18,9 @@ import pytest
 
 from app.config import Settings
 from app.db import PROJECT_ROOT
-from app.embedded.kafka import ensure_topics
+from app.kafka.admin import ensure_topics
 from app.embedded.stack import EmbeddedStack
-from app.topics import (
+from app.kafka.topics import (
     UNREPLICATED,
     Durability,
     check_topic_durability,

@@ -1,6 +1,6 @@
 """A topic re-created under a running worker is read again from its start.
 
-A broker that lost a topic's log gives the re-created topic a new id (`app.topic_ids`): the
+A broker that lost a topic's log gives the re-created topic a new id (`app.kafka.topic_ids`): the
 embedded Tansu after any restart, any Kafka whose topic was deleted and created again. A
 worker reading it keeps its positions in the old log unless its group happens to rebalance:
 Tansu answers a fetch past the new log's end with nothing (the worker would wait until the
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from kafka import KafkaConsumer
 
-from app.topic_ids import TopicIds
+from app.kafka.topic_ids import TopicIds
 from workers.metrics import TOPICS_RECREATED
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ with warnings.catch_warnings():
         pg_ctl,
     )
 
-from app.embedded.process import ServiceError, log_tail, port_is_open, running_pid
+from app.processes import ServiceError, log_tail, port_is_open, running_pid
 
 HOST = "127.0.0.1"
 # Postgres refuses to run as root; the wheel's helpers create this system user.

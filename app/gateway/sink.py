@@ -8,7 +8,7 @@ records how far Kafka acknowledged in the spool's cursor; while Kafka is unreach
 spool simply grows, and it drains in order once Kafka answers again.
 
 Delivered events stay in the spool for its retention window. The sink records the topic id
-(`app.topic_ids`) of the log it delivered each topic to, checks it every few seconds,
+(`app.kafka.topic_ids`) of the log it delivered each topic to, checks it every few seconds,
 and when a topic has a new id (the broker lost that log) sends every retained event again,
 oldest first. Besides its own spool it sends those that stopped gateways left beside it.
 
@@ -49,8 +49,8 @@ from app.gateway.metrics import (
 )
 from app.gateway.spool import DiskSpool, Envelope, Retention
 from app.gateway.spools import adopt_free_spools, claim_spool
-from app.kafka_clients import COMPRESSION, kafka_client
-from app.topic_ids import TopicIds
+from app.kafka.clients import COMPRESSION, kafka_client
+from app.kafka.topic_ids import TopicIds
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import httpx
 import psutil
 
 from app.config import Settings
-from app.embedded.process import (
+from app.processes import (
     ServiceError,
     log_tail,
     port_is_open,

@@ -17,8 +17,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.embedded.kafka import ensure_topics
-from app.embedded.process import ServiceError, free_port
+from app.kafka.admin import ensure_topics
+from app.processes import ServiceError, free_port
 from app.embedded.redis import EmbeddedRedis
 from app.embedded.stack import EmbeddedStack
 from app.models import Checkpoint, CheckpointStatus

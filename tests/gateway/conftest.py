@@ -22,7 +22,7 @@ from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import session_scope
 from app.embedded.kafka import EmbeddedKafka
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.main import create_app
 from app.models import Role

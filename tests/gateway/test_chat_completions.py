@@ -16,7 +16,7 @@ from sqlalchemy import Engine, select
 
 from app.config import Settings
 from app.db import session_scope
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC, CompletionEvent
 from app.gateway.service import request_key
 from app.main import create_app

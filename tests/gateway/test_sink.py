@@ -15,8 +15,9 @@ import httpx
 import orjson
 import pytest
 
-from app.embedded.kafka import EmbeddedKafka, ensure_topics
-from app.embedded.process import free_port
+from app.kafka.admin import ensure_topics
+from app.embedded.kafka import EmbeddedKafka
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC
 from app.gateway.metrics import EVENTS_SET_ASIDE

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from app.config import Settings
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.service import CHAT_PATH, request_key

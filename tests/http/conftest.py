@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.config import Settings
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.main import create_app
 

@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 from app.auth.service import new_api_key
 from app.config import Settings, settings_environment
 from app.db import session_scope
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.launcher import RtrlProcess
 from app.models import Role

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import Engine, select
 
 from app.db import session_scope
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.models import Checkpoint, CheckpointStatus
 from app.serving.checkpoints import (
     PublishError,

@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.config import Settings
-from app.embedded.process import ServiceError, free_port
+from app.processes import ServiceError, free_port
 from app.serving.replicas import ReplicaError, served_models
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer, is_healthy, wait_until_healthy

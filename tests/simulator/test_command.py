@@ -6,7 +6,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.simulator.command import simulate_command
 
 cli = typer.Typer()

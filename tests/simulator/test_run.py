@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.models import ApiKey
 from app.simulator import ClientConfig, SimulationReport, Workload, make_population, simulate

@@ -13,7 +13,7 @@ from sqlalchemy import Engine, delete, select, update
 
 from app.config import Settings
 from app.db import session_scope
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.embedded.stack import EmbeddedStack
 from app.models import (
     Checkpoint,

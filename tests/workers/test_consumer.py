@@ -18,7 +18,7 @@ from sqlalchemy import Engine, func, select
 from app.config import get_settings
 from app.db import PROJECT_ROOT
 from app.embedded.kafka import EmbeddedKafka
-from app.embedded.process import free_port
+from app.processes import free_port
 from app.events import CompletionEvent, encode
 from app.signals.rewards import distil_components
 from tests.workers.conftest import publisher, read_dead_letters

@@ -12,9 +12,9 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from prometheus_client import REGISTRY
 
 from app.embedded.kafka import EmbeddedKafka
-from app.embedded.process import free_port
-from app.kafka_clients import kafka_client
-from app.topic_ids import TopicIds
+from app.processes import free_port
+from app.kafka.clients import kafka_client
+from app.kafka.topic_ids import TopicIds
 from workers.topics import RecreatedTopics
 
 TOPIC = "rtrl.test.recreated"

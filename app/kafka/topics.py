@@ -19,7 +19,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.errors import KafkaError
 
 from app.config import Settings
-from app.kafka_clients import kafka_client, kafka_security
+from app.kafka.clients import kafka_client, kafka_security
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from kafka.admin import KafkaAdminClient
 
-from app.kafka_clients import kafka_client
+from app.kafka.clients import kafka_client
 
 log = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ docs-serve: install $(MERMAID_JS)
 	$(MKDOCS) serve
 
 docs-reference: install
-	$(PY) -m app.reference
+	$(PY) -m rtrl.reference
 
 $(MERMAID_JS):
 	@tmp=$$(mktemp -d); \

@@ -45,7 +45,7 @@ from app.abtest.rollups import refresh_rollups
 from app.analytics.schemas import ExperimentResults, Window
 from app.analytics.service import experiment_results
 from app.db import make_async_engine, make_engine, upgrade_schema
-from app.embedded.postgres import EmbeddedPostgres
+from rtrl.embedded.postgres import EmbeddedPostgres
 from app.processes import free_port
 
 USERS_PER_ARM = 200

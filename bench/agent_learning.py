@@ -28,7 +28,7 @@ import scipy.stats
 
 from app.config import Settings
 from app.db import make_engine
-from app.demo import (
+from rtrl.demo import (
     DemoConfig,
     Ops,
     create_keys,
@@ -38,7 +38,7 @@ from app.demo import (
     train_candidate,
 )
 from app.processes import free_port
-from app.launcher import FullStack
+from rtrl.launcher import FullStack
 from trainer.agent_runs import compare_runs
 
 

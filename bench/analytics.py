@@ -42,7 +42,7 @@ from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_async_engine, make_engine, session_scope
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.main import create_app
 from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus, Role
 

@@ -45,7 +45,7 @@ from transformers import PreTrainedTokenizerFast
 from app.agent_tasks import agent_tasks
 from app.config import Settings
 from app.db import make_engine, session_scope
-from app.demo import (
+from rtrl.demo import (
     OFFLINE_SEED,
     DemoConfig,
     Ops,
@@ -56,7 +56,7 @@ from app.demo import (
     wait_for_rewards,
 )
 from app.processes import free_port
-from app.launcher import FullStack
+from rtrl.launcher import FullStack
 from app.models import Checkpoint, CheckpointStatus
 from app.serving.parity import completion_logprobs
 from app.tasks import heldout_tasks

@@ -37,7 +37,7 @@ from app.config import Settings
 from app.db import upgrade_schema
 from app.kafka.admin import ensure_topics
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import CompletionEvent, Event, encode
 from bench.workers import Clocks, Measurement, make_stream, run_pipeline
 from workers.config import WorkerConfig

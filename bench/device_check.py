@@ -29,7 +29,7 @@ from transformers.utils import logging as transformers_logging
 from app.config import Settings, settings_environment
 from app.db import make_engine, session_scope, upgrade_schema
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.models import Checkpoint, TrainingRun
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.sampling import sample_completions
@@ -127,7 +127,7 @@ def train_under_torchrun(
     environment = {**os.environ, **settings_environment(settings)}
     environment |= {f"RTRL_TRAIN_{name.upper()}": str(value) for name, value in overrides.items()}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(ranks), "-m", "app.cli", "train", "--once"]
+    command += ["--nproc-per-node", str(ranks), "-m", "rtrl.cli", "train", "--once"]
     process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     for line in process.stdout:

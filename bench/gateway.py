@@ -67,7 +67,7 @@ from prometheus_client.samples import Sample as MetricSample
 from app.auth.service import new_api_key
 from app.db import make_engine, session_scope
 from app.processes import free_port, wait_for_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.gateway.service import CHAT_PATH
 from app.models import Checkpoint, CheckpointStatus, Role
 from app.registry.experiments import start_canary

@@ -37,7 +37,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from app.processes import free_port
-from app.embedded.redis import HOST, EmbeddedRedis
+from rtrl.embedded.redis import HOST, EmbeddedRedis
 from app.gateway.service import CHAT_PATH
 from app.http.errors import BodySizeLimit, install_error_handlers
 from app.http.routes import DirectRoute

@@ -61,7 +61,7 @@ from app.kafka.admin import DEFAULT_TOPICS
 from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.kafka.clients import kafka_client
-from app.launcher import FullStack
+from rtrl.launcher import FullStack
 from app.models import Role
 
 # `WorkerConfig.group_id`, the group `rtrl worker` joins. Not imported: run as a file, this

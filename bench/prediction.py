@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Settings
-from app.demo import SCENARIO_CYCLES, DemoConfig, Scenario, demo_train_config, run_demo
+from rtrl.demo import SCENARIO_CYCLES, DemoConfig, Scenario, demo_train_config, run_demo
 from app.processes import free_port
 
 METRICS = ("mean_reward", "kept", "malformed_call_rate", "dissatisfied_rate")

@@ -33,7 +33,7 @@ from sqlalchemy import Engine, func, select
 from app.config import Settings
 from app.db import upgrade_schema
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC, CompletionEvent
 from app.gateway.sink import EventSink
 from app.gateway.spool import DiskSpool, Retention

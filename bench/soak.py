@@ -28,7 +28,7 @@ from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
 from app.processes import free_port, process_tree
-from app.launcher import FullStack
+from rtrl.launcher import FullStack
 from app.models import FeedbackEventRow, Reward, Role, Sample
 from app.simulator.books import read_books
 from app.simulator.report import SimulationReport

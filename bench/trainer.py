@@ -35,7 +35,7 @@ from transformers.utils import logging as transformers_logging
 from app.config import Settings
 from app.db import make_engine, session_scope, upgrade_schema
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.models import Checkpoint, Reward, Sample, TrainingRun
 from app.serving.checkpoints import BASE_CHECKPOINT, ensure_base_checkpoint
 from app.serving.parity import CompletionBatch, completion_batch

@@ -40,9 +40,9 @@ from transformers.utils import logging as transformers_logging
 
 from app.config import Settings
 from app.db import make_engine
-from app.demo import DemoConfig, Ops, create_keys, demo_train_config
+from rtrl.demo import DemoConfig, Ops, create_keys, demo_train_config
 from app.processes import free_port
-from app.launcher import FullStack
+from rtrl.launcher import FullStack
 from bench.baseline import serve_first_cycle
 from bench.serving import load_average
 from trainer.bootstrap import BootstrapConfig, bootstrap_model

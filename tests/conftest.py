@@ -27,7 +27,7 @@ from app.config import Settings, get_settings
 from app.db import make_engine, session_scope
 from app.kafka.admin import ensure_topics
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.models import ApiKey, Role
 from app.serving.checkpoints import ensure_base_checkpoint

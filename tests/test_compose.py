@@ -20,9 +20,9 @@ from sqlalchemy import Engine
 
 from app.config import Settings, refuse_development_secrets, settings_environment
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.kafka.clients import kafka_security
-from app.launcher import RtrlProcess
+from rtrl.launcher import RtrlProcess
 from trainer.config import TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def test_compose_uses_only_real_settings_and_has_every_part() -> None:
     # The trainer runs under torchrun: one rank per GPU of its reservation.
     trainer = services["trainer"]
     entrypoint = trainer["entrypoint"]
-    assert entrypoint[0] == "torchrun" and entrypoint[-2:] == ["-m", "app.cli"]
+    assert entrypoint[0] == "torchrun" and entrypoint[-2:] == ["-m", "rtrl.cli"]
     gpus = trainer["deploy"]["resources"]["reservations"]["devices"][0]["count"]
     assert f"--nproc-per-node={gpus}" in entrypoint
     train_env = {
@@ -295,7 +295,7 @@ def test_each_process_passes_its_compose_healthcheck_while_it_runs_and_fails_onc
     environment = settings_environment(settings)
 
     def healthcheck() -> subprocess.CompletedProcess[str]:
-        rtrl = [sys.executable, "-m", "app.cli", *command[1:]]
+        rtrl = [sys.executable, "-m", "rtrl.cli", *command[1:]]
         return subprocess.run(rtrl, env=environment, capture_output=True, text=True, timeout=60)
 
     assert healthcheck().returncode == 1  # nothing has beaten yet

@@ -151,7 +151,7 @@ def test_gateway_and_workers_refuse_to_start_on_the_development_secret(
     environment = {"PATH": os.environ["PATH"], "RTRL_DATA_DIR": str(tmp_path), **PRODUCTION}
 
     started = subprocess.run(
-        [sys.executable, "-m", "app.cli", command],
+        [sys.executable, "-m", "rtrl.cli", command],
         env=environment,
         capture_output=True,
         text=True,

@@ -16,7 +16,7 @@ from app.abtest.stats import Comparison
 from app.bases import HACKING_BASE, shipped_base_dir, verify_base
 from app.config import Settings, SettingsError
 from app.db import session_scope
-from app.demo import (
+from rtrl.demo import (
     FLAWED_REWARD_VERSION,
     HACKING_BASE_DIR,
     CycleRecord,
@@ -31,8 +31,8 @@ from app.demo import (
     run_demo,
     scenario_settings,
 )
-from app.embedded.stack import EmbeddedStack
-from app.launcher import FullStack
+from rtrl.embedded.stack import EmbeddedStack
+from rtrl.launcher import FullStack
 from app.models import Checkpoint
 from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync

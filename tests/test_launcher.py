@@ -10,8 +10,8 @@ from sqlalchemy import Engine
 from app.bases import DEFAULT_BASE, BaseModelError, shipped_base_dir, verify_base
 from app.config import Settings
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
-from app.launcher import FullStack
+from rtrl.embedded.stack import EmbeddedStack
+from rtrl.launcher import FullStack
 
 
 def test_down_stops_every_worker_up_started_whatever_workers_down_is_given(

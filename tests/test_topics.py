@@ -19,7 +19,7 @@ import pytest
 from app.config import Settings
 from app.db import PROJECT_ROOT
 from app.kafka.admin import ensure_topics
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.kafka.topics import (
     UNREPLICATED,
     Durability,
@@ -82,7 +82,7 @@ def test_migrate_on_a_single_broker_creates_the_topics_unreplicated_and_says_so(
         "RTRL_KAFKA_MIN_INSYNC_REPLICAS": "2",
     }
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "migrate"],
+        [sys.executable, "-m", "rtrl.cli", "migrate"],
         cwd=PROJECT_ROOT,
         env=env,
         capture_output=True,

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 from sqlalchemy import Engine
 
 from app.config import Settings
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.models import Role
 from app.serving.checkpoints import publish_checkpoint
 from app.serving.replicas import served_adapters, unload_adapter

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, select
 from app.abtest.guardrails import FAMILY_ALPHA, GUARDRAILS, check_guardrails, confidence_sequence
 from app.config import Settings
 from app.db import session_scope
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.models import AuditEntry, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
 from tests.analytics.conftest import Behaviour, SeededArm
 from tests.conftest import fresh_worker_config

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Connection, Engine, text
 
 from app.abtest.rollups import REFRESH_LOCK, bucket_of, latency_quantile, refresh_rollups
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from tests.analytics.conftest import Behaviour, SeededArm
 
 Seeder = Callable[..., tuple[int, pd.DataFrame]]

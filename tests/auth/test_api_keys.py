@@ -22,7 +22,7 @@ from app.auth.service import (
     create_api_key,
     hash_secret,
 )
-from app.cli import cli
+from rtrl.cli import cli
 from app.config import Settings
 from app.db import make_async_engine, session_scope
 from app.models import ApiKey, Role

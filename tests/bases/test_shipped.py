@@ -114,7 +114,7 @@ def test_a_changed_file_is_refused_with_the_file_named(tmp_path: Path) -> None:
     with pytest.raises(BaseModelError, match=r"model\.safetensors"):
         install_base(DEFAULT_BASE, tmp_path / "base")
     shown = subprocess.run(
-        [sys.executable, "-m", "app.cli", "model", "show", str(tmp_path / "base")],
+        [sys.executable, "-m", "rtrl.cli", "model", "show", str(tmp_path / "base")],
         capture_output=True,
         text=True,
     )
@@ -146,7 +146,7 @@ def test_a_data_dir_holding_another_base_is_not_overwritten(tmp_path: Path) -> N
 
 def test_show_prints_each_shipped_base_identity() -> None:
     shown = subprocess.run(
-        [sys.executable, "-m", "app.cli", "model", "show", "--shipped"],
+        [sys.executable, "-m", "rtrl.cli", "model", "show", "--shipped"],
         capture_output=True,
         text=True,
         check=True,

@@ -16,9 +16,9 @@ import typer
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field, create_model
 
-from app import reference
+from rtrl import reference
 from app.config import Settings
-from app.reference import Page, stale_pages
+from rtrl.reference import Page, stale_pages
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_the_checked_in_reference_pages_are_the_ones_the_code_generates(
     stale = stale_pages(pages.values())
     assert not stale, (
         f"stale reference page(s): {', '.join(stale)}; "
-        f"run `{reference.REFRESH_COMMAND}` (python -m app.reference) and commit the result"
+        f"run `{reference.REFRESH_COMMAND}` (python -m rtrl.reference) and commit the result"
     )
 
 
@@ -65,7 +65,7 @@ def test_a_new_setting_makes_the_settings_page_stale(pages: dict[str, Page]) -> 
 
 
 def test_a_new_command_or_flag_makes_the_cli_page_stale(pages: dict[str, Page]) -> None:
-    from app.cli import cli
+    from rtrl.cli import cli
 
     root = typer.main.get_command(cli)
     extra = typer.Typer()

@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session
 
 from app.kafka.admin import ensure_topics
 from app.processes import ServiceError, free_port
-from app.embedded.redis import EmbeddedRedis
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.redis import EmbeddedRedis
+from rtrl.embedded.stack import EmbeddedStack
 from app.models import Checkpoint, CheckpointStatus
 
 
@@ -119,7 +119,7 @@ def alive(pid: int) -> bool:
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
+        [sys.executable, "-m", "rtrl.cli", *args],
         env={**os.environ, **env},
         capture_output=True,
         text=True,

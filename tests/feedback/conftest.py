@@ -16,7 +16,7 @@ from sqlalchemy import Engine
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import session_scope
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import FEEDBACK_TOPIC
 from app.main import create_app
 from app.models import Role

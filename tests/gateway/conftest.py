@@ -21,9 +21,9 @@ from sqlalchemy import Engine
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import session_scope
-from app.embedded.kafka import EmbeddedKafka
+from rtrl.embedded.kafka import EmbeddedKafka
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.main import create_app
 from app.models import Role
 from app.serving.checkpoints import ensure_base_checkpoint

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, select
 
 from app.auth.service import hash_secret
 from app.db import session_scope
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.assignment import hash_user
 from app.gateway.trajectories import Trajectories, run_owner

@@ -10,7 +10,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from app.embedded.kafka import EmbeddedKafka
+from rtrl.embedded.kafka import EmbeddedKafka
 from app.gateway.sink import EventSink
 from app.gateway.spool import DiskSpool, Envelope, Retention
 from app.gateway.spools import claim_spool
@@ -24,7 +24,7 @@ def replay_command(kafka: EmbeddedKafka, data_dir: Path) -> subprocess.Completed
         "RTRL_DATA_DIR": str(data_dir),
         "RTRL_KAFKA_BOOTSTRAP_SERVERS": kafka.url,
     }
-    command = [sys.executable, "-m", "app.cli", "spool", "replay", "--timeout", "60"]
+    command = [sys.executable, "-m", "rtrl.cli", "spool", "replay", "--timeout", "60"]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 

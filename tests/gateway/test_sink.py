@@ -16,9 +16,9 @@ import orjson
 import pytest
 
 from app.kafka.admin import ensure_topics
-from app.embedded.kafka import EmbeddedKafka
+from rtrl.embedded.kafka import EmbeddedKafka
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC
 from app.gateway.metrics import EVENTS_SET_ASIDE
 from app.gateway.sink import SYNC_INTERVAL_S, EventSink

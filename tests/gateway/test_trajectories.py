@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.gateway import trajectories
 from app.gateway.trajectories import MAX_PARENT_LOOKUPS, Trajectories, Turn, run_owner
 

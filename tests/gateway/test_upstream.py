@@ -18,7 +18,7 @@ from pydantic import SecretStr
 
 from app.config import Settings
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.service import CHAT_PATH, request_key
 from app.gateway.upstream import Upstream, UpstreamBusy

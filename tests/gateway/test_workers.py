@@ -12,11 +12,11 @@ import pytest
 from sqlalchemy import Engine
 
 from app.config import settings_environment
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.spool import Envelope
 from app.gateway.spools import spool_directories
-from app.launcher import RtrlProcess
+from rtrl.launcher import RtrlProcess
 from app.serving.vllm import VllmServer
 from tests.conftest import external_settings
 

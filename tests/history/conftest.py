@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from app.db import upgrade_schema
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import CompletionEvent
 from app.history.partitions import drop_partition, list_partitions
 from tests.workers.conftest import Events

@@ -10,7 +10,7 @@ from sqlalchemy import Engine, text
 
 from app.abtest.rollups import refresh_rollups
 from app.db import session_scope
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.history.partitions import create_partitions, list_partitions
 from app.history.service import import_history, maintain
 from app.models import Checkpoint, CheckpointStatus

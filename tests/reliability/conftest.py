@@ -22,8 +22,8 @@ from app.auth.service import new_api_key
 from app.config import Settings, settings_environment
 from app.db import session_scope
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
-from app.launcher import RtrlProcess
+from rtrl.embedded.stack import EmbeddedStack
+from rtrl.launcher import RtrlProcess
 from app.models import Role
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.vllm import VllmServer

@@ -179,7 +179,7 @@ def _train(loop: Loop, kill_when: Path | None) -> subprocess.CompletedProcess[st
     """`rtrl train --once`, SIGKILLed as soon as `kill_when` matches a path that did not
     exist when it started (an earlier killed run may have left one), if given."""
     # The demo's step size: a clear improvement, so the evaluation gate lets it through.
-    command = [sys.executable, "-m", "app.cli", "train", "--once", "--min-samples", "16"]
+    command = [sys.executable, "-m", "rtrl.cli", "train", "--once", "--min-samples", "16"]
     command += ["--learning-rate", "2e-3", "--epochs", "4"]
     env = settings_environment(loop.settings)
     if kill_when is None:

@@ -89,7 +89,7 @@ def test_two_ranks_make_the_update_one_rank_makes(
     config = train_config_from_env()
     one = run_cycle(settings, config, engine=registry, held_out=held_out_for(config, registry))
 
-    command = [*TORCHRUN, "-m", "app.cli", "train", "--once"]
+    command = [*TORCHRUN, "-m", "rtrl.cli", "train", "--once"]
     environment = {**os.environ, **settings_environment(settings), **TRAIN_ENV}
     environment["OMP_NUM_THREADS"] = "1"
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
@@ -132,7 +132,7 @@ def test_the_trainer_under_torchrun_trains_a_requested_cycle_on_two_ranks_and_st
     log = tmp_path / "trainer.log"
     with log.open("w") as output:
         trainer = subprocess.Popen(
-            [*TORCHRUN, "-m", "app.cli", "trainer"],
+            [*TORCHRUN, "-m", "rtrl.cli", "trainer"],
             env=environment,
             stdout=output,
             stderr=subprocess.STDOUT,

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, delete, select, update
 from app.config import Settings
 from app.db import session_scope
 from app.processes import free_port
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.models import (
     Checkpoint,
     ControlFlag,

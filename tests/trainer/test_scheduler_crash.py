@@ -15,7 +15,7 @@ from sqlalchemy import Engine, text
 from transformers import PreTrainedTokenizerFast
 
 from app.db import session_scope
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.models import CycleTrigger, TrainingRunStatus
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer

@@ -97,7 +97,7 @@ def test_invalid_values_fail_naming_the_variable(
 def test_rtrl_train_stops_on_an_invalid_value_with_one_line() -> None:
     env = {**os.environ, "RTRL_TRAIN_DTYPE": "int8"}
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "train", "--once"],
+        [sys.executable, "-m", "rtrl.cli", "train", "--once"],
         env=env,
         capture_output=True,
         text=True,

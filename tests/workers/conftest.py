@@ -15,7 +15,7 @@ from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import Connection, Engine, select
 
 from app.config import Settings, get_settings
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import (
     CompletionEvent,
     DeadLetter,

@@ -22,7 +22,7 @@ from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import Engine, func, select
 
 from app.config import Settings
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import (
     CompletionEvent,
     EditAccepted,

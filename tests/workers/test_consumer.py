@@ -17,7 +17,7 @@ from sqlalchemy import Engine, func, select
 
 from app.config import get_settings
 from app.db import PROJECT_ROOT
-from app.embedded.kafka import EmbeddedKafka
+from rtrl.embedded.kafka import EmbeddedKafka
 from app.processes import free_port
 from app.events import CompletionEvent, encode
 from app.signals.rewards import distil_components

@@ -15,7 +15,7 @@ import pytest
 from kafka import KafkaProducer
 from sqlalchemy import Engine, text
 
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.events import encode
 from tests.workers.conftest import publisher, read_dead_letters
 from workers.config import WorkerConfig

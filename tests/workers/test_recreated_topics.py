@@ -11,7 +11,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from prometheus_client import REGISTRY
 
-from app.embedded.kafka import EmbeddedKafka
+from rtrl.embedded.kafka import EmbeddedKafka
 from app.processes import free_port
 from app.kafka.clients import kafka_client
 from app.kafka.topic_ids import TopicIds

@@ -27,7 +27,7 @@ from app.processes import (
     start_detached,
     stop_pid,
 )
-from app.embedded.stack import EmbeddedStack
+from rtrl.embedded.stack import EmbeddedStack
 from app.serving.checkpoints import ensure_base_checkpoint, reconcile
 from app.serving.vllm import VllmServer
 
@@ -62,7 +62,7 @@ class RtrlProcess:
         if self.pid() is not None:
             return
         process = start_detached(
-            [sys.executable, "-m", "app.cli", *self.arguments],
+            [sys.executable, "-m", "rtrl.cli", *self.arguments],
             pid_file=self.pid_file,
             log_file=self.log_file,
             env=self.environment,

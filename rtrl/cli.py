@@ -17,7 +17,7 @@ from app.config import SettingsError, get_settings, refuse_development_secrets
 from app.db import make_engine, session_scope, upgrade_schema
 from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
 from app.processes import ServiceError
-from app.embedded.stack import EmbeddedStack, ServiceStatus
+from rtrl.embedded.stack import EmbeddedStack, ServiceStatus
 from app.heartbeat import heartbeat_age
 from app.kafka.clients import kafka_security
 from app.models import Checkpoint, Role
@@ -58,7 +58,7 @@ cli.add_typer(history_cli, name="history")
 
 
 def _print_statuses(statuses: list[ServiceStatus]) -> None:
-    from app.launcher import StackRow, stack_state
+    from rtrl.launcher import StackRow, stack_state
 
     _print_rows(
         [StackRow(s.name, stack_state(s.embedded, s.running), s.pid, s.url) for s in statuses]
@@ -426,7 +426,7 @@ def up(
     ),
 ) -> None:
     """The whole embedded stack: services, base model, vLLM, gateway, workers, trainer."""
-    from app.launcher import FullStack
+    from rtrl.launcher import FullStack
 
     if trainer and not down:
         load_train_settings()  # the trainer would stop on a bad RTRL_TRAIN_* value: stop now
@@ -685,7 +685,7 @@ def demo(
     ),
 ) -> None:
     """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
-    from app.demo import (
+    from rtrl.demo import (
         SCENARIO_CYCLES,
         SCENARIO_EVAL_USERS,
         DemoConfig,

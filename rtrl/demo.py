@@ -37,7 +37,7 @@ from app.auth.service import new_api_key
 from app.bases import HACKING_BASE
 from app.config import Settings, SettingsError
 from app.db import make_engine, session_scope
-from app.launcher import FullStack, ensure_base
+from rtrl.launcher import FullStack, ensure_base
 from app.models import (
     Alert,
     Checkpoint,

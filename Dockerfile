@@ -6,6 +6,8 @@ COPY pyproject.toml README.md alembic.ini ./
 COPY app app
 COPY workers workers
 COPY trainer trainer
+COPY rtrl rtrl
+COPY sandbox sandbox
 COPY migrations migrations
 RUN pip install --no-cache-dir -e .
 ENV RTRL_DATA_DIR=/data

@@ -39,7 +39,7 @@ from rtrl.demo import (
 )
 from app.processes import free_port
 from rtrl.launcher import FullStack
-from trainer.agent_runs import compare_runs
+from sandbox.agent_runs import compare_runs
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ import torch
 from sqlalchemy import Engine, select
 from transformers import PreTrainedTokenizerFast
 
-from app.agent_tasks import agent_tasks
+from sandbox.agent_tasks import agent_tasks
 from app.config import Settings
 from app.db import make_engine, session_scope
 from rtrl.demo import (
@@ -59,15 +59,15 @@ from app.processes import free_port
 from rtrl.launcher import FullStack
 from app.models import Checkpoint, CheckpointStatus
 from app.serving.parity import completion_logprobs
-from app.tasks import heldout_tasks
-from trainer.agent_runs import PolicyRuns, load_policy, run_agents
+from sandbox.tasks import heldout_tasks
+from sandbox.agent_runs import PolicyRuns, load_policy, run_agents
 from trainer.config import Baseline, Layout, TrainConfig
 from trainer.data import TrainingSample, select_on_policy_batch
 from trainer.evaluate import kl_to_production, trainable_state
 from trainer.loss import advantages
 from trainer.policy import load_trainable_policy
 from trainer.sequences import layout_rows
-from trainer.task_family import EVAL_SEED, agent_reference_batch, reference_batch, reference_turns
+from sandbox.task_family import EVAL_SEED, agent_reference_batch, reference_batch, reference_turns
 from trainer.update import sharded_logprobs, update_policy
 
 PROBED_TOOLS = ("read_file", "edit_file")

@@ -38,7 +38,7 @@ from bench.serving import base_model
 from bench.trainer import Timeline, record_samples
 from trainer.config import train_config_from_env
 from trainer.cycle import run_cycle
-from trainer.gates import held_out_for
+from rtrl.gates import held_out_for
 
 DRIFT = ("mean_abs", "max_abs", "kl", "capped_share")
 
@@ -141,7 +141,7 @@ def train_under_torchrun(
 def record_prompt(model_dir: Path) -> list[int]:
     from transformers import PreTrainedTokenizerFast
 
-    from app.tasks import heldout_tasks
+    from sandbox.tasks import heldout_tasks
     from trainer.generation import prompt_ids
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)

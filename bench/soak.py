@@ -30,9 +30,9 @@ from app.db import make_engine, session_scope
 from app.processes import free_port, process_tree
 from rtrl.launcher import FullStack
 from app.models import FeedbackEventRow, Reward, Role, Sample
-from app.simulator.books import read_books
-from app.simulator.report import SimulationReport
-from app.simulator.run import simulate
+from sandbox.simulator.books import read_books
+from sandbox.simulator.report import SimulationReport
+from sandbox.simulator.run import simulate
 
 
 def tree_rss_mib(pid: int | None) -> float | None:

@@ -41,14 +41,14 @@ from app.serving.checkpoints import BASE_CHECKPOINT, ensure_base_checkpoint
 from app.serving.parity import CompletionBatch, completion_batch
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
-from app.tasks import check_solution, extract_code, train_tasks
+from sandbox.tasks import check_solution, extract_code, train_tasks
 from bench.serving import base_model, load_average
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
 from trainer.data import TrainingSample, select_on_policy_batch
 from trainer.generation import prompt_ids
 from trainer.policy import load_trainable_policy, pick_device
-from trainer.task_family import task_family_held_out
+from sandbox.task_family import task_family_held_out
 from trainer.update import micro_batches as pack
 
 

@@ -45,7 +45,7 @@ from app.processes import free_port
 from rtrl.launcher import FullStack
 from bench.baseline import serve_first_cycle
 from bench.serving import load_average
-from trainer.bootstrap import BootstrapConfig, bootstrap_model
+from sandbox.bootstrap import BootstrapConfig, bootstrap_model
 from trainer.config import Layout, TrainConfig
 from trainer.data import TrainingSample
 from trainer.drift import measure_drift

@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from app.auth.schemas import MAX_RATE_LIMIT_PER_MINUTE
-from app.bases import SHIPPED_BASES, BaseModelError, shipped_base_dir, verify_base
+from sandbox.bases import SHIPPED_BASES, BaseModelError, shipped_base_dir, verify_base
 from app.config import SettingsError, get_settings, refuse_development_secrets
 from app.db import make_engine, session_scope, upgrade_schema
 from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
@@ -30,7 +30,7 @@ from app.serving.checkpoints import (
 )
 from app.serving.replicas import ReplicaError
 from app.serving.vllm import VllmServer
-from app.simulator.command import simulate_command
+from sandbox.simulator.command import simulate_command
 from app.kafka.topics import (
     TopicDurabilityError,
     check_topic_durability,
@@ -137,7 +137,7 @@ def model_bootstrap(
     import dataclasses
     import logging
 
-    from trainer.bootstrap import RECIPES, BootstrapConfig, bootstrap_model
+    from sandbox.bootstrap import RECIPES, BootstrapConfig, bootstrap_model
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = get_settings()
@@ -564,7 +564,7 @@ def train(
     `torchrun --nproc-per-node N` it trains on N devices."""
     from trainer.cycle import run_cycle
     from trainer.distributed import join_world, leave_world
-    from trainer.gates import held_out_for
+    from rtrl.gates import held_out_for
 
     settings = get_settings()
     config = train_config_from_env(
@@ -618,7 +618,7 @@ def trainer_loop() -> None:
 
     from app.metrics import serve_metrics
     from trainer.distributed import join_world, leave_world
-    from trainer.gates import held_out_for
+    from rtrl.gates import held_out_for
     from trainer.metrics import load_last_finished
     from trainer.scheduler import run_scheduler
 

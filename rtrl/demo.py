@@ -32,9 +32,9 @@ from transformers import PreTrainedTokenizerFast
 
 from app.abtest.rollups import refresh_rollups
 from app.abtest.stats import Comparison
-from app.agent_tasks import agent_tasks
+from sandbox.agent_tasks import agent_tasks
 from app.auth.service import new_api_key
-from app.bases import HACKING_BASE
+from sandbox.bases import HACKING_BASE
 from app.config import Settings, SettingsError
 from app.db import make_engine, session_scope
 from rtrl.launcher import FullStack, ensure_base
@@ -49,11 +49,11 @@ from app.models import (
 from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
 from app.signals.rewards import LATEST_REWARD_VERSION
-from app.simulator.clients import ClientConfig
-from app.simulator.report import SimulationReport
-from app.simulator.run import simulate
-from app.simulator.scorecard import Scorecard, scorecard_table, scorecards
-from trainer.agent_runs import (
+from sandbox.simulator.clients import ClientConfig
+from sandbox.simulator.report import SimulationReport
+from sandbox.simulator.run import simulate
+from sandbox.simulator.scorecard import Scorecard, scorecard_table, scorecards
+from sandbox.agent_runs import (
     RUN_METRICS,
     PolicyRuns,
     compare_runs,
@@ -63,7 +63,7 @@ from trainer.agent_runs import (
 )
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
-from trainer.gates import held_out_for
+from rtrl.gates import held_out_for
 from workers.monitors import check_running_experiments
 from workers.sweep import recompute_rewards
 
@@ -125,7 +125,7 @@ class DemoConfig:
     agent: bool = True
     """Agent sessions (tools, workspaces, runs of calls); False: one-turn answers."""
     client: ClientConfig = field(default_factory=ClientConfig)
-    """The IDE client every simulated developer uses (`app.simulator.clients`); the ideal one
+    """The IDE client every simulated developer uses (`sandbox.simulator.clients`); the ideal one
     reports every signal the canary decisions read."""
     scenario: Scenario = "learning"
     """`reward-hacking`: start on the flawed formula 0 and let the monitors catch it."""
@@ -475,7 +475,7 @@ class DemoSummary:
     """Agent mode: base and the final checkpoint on held-out tasks, base first."""
     offline: dict[str, Comparison | None] = field(default_factory=dict)
     """Agent mode: the final checkpoint minus base on `offline_runs` held-out runs sampled
-    offline, per `trainer.agent_runs.RUN_METRICS` name, with intervals over runs."""
+    offline, per `sandbox.agent_runs.RUN_METRICS` name, with intervals over runs."""
     predictions: dict[str, Any] = field(default_factory=dict)
     """The scoreboard of each candidate's predicted against its canary's realized A/B
     (`GET /analytics/predictions`)."""

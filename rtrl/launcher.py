@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from app.bases import (
+from sandbox.bases import (
     DEFAULT_BASE,
     BaseIdentity,
     install_base,
@@ -255,7 +255,7 @@ def ensure_base(
             identity = replace(identity, name=name)
         how = "found"
     elif bootstrap:
-        from trainer.bootstrap import RECIPES, bootstrap_model
+        from sandbox.bootstrap import RECIPES, bootstrap_model
 
         progress(f"base model: bootstrapping {name}'s recipe at {model_dir} (minutes) ...")
         report = bootstrap_model(model_dir, RECIPES[name], progress_bar=True)

@@ -4,7 +4,7 @@ hidden checks judge the file the run leaves behind."""
 import json
 import random
 
-from app.agent_tasks import (
+from sandbox.agent_tasks import (
     STARTING_BODIES,
     TOOLS,
     Workspace,
@@ -13,7 +13,7 @@ from app.agent_tasks import (
     reference_messages,
     written_calls,
 )
-from app.tasks import heldout_tasks, is_heldout, train_tasks
+from sandbox.tasks import heldout_tasks, is_heldout, train_tasks
 
 
 def test_the_reference_run_solves_the_task_and_a_wrong_edit_does_not() -> None:

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import Engine, select
 
 from app.abtest.stats import Comparison
-from app.bases import HACKING_BASE, shipped_base_dir, verify_base
+from sandbox.bases import HACKING_BASE, shipped_base_dir, verify_base
 from app.config import Settings, SettingsError
 from app.db import session_scope
 from rtrl.demo import (

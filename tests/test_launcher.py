@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app.bases import DEFAULT_BASE, BaseModelError, shipped_base_dir, verify_base
+from sandbox.bases import DEFAULT_BASE, BaseModelError, shipped_base_dir, verify_base
 from app.config import Settings
 from app.processes import free_port
 from rtrl.embedded.stack import EmbeddedStack

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from app.tasks import (
+from sandbox.tasks import (
     OPERATIONS,
     all_tasks,
     check_solution,

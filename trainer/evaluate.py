@@ -3,8 +3,8 @@ moved (KL to production on fixed reference text: the held-out set's answers, and
 turns — tool calls and final answers).
 
 What "held out" means belongs to the deployment, not to the cycle: the cycle takes any
-`HeldOut`. Two exist, chosen by RTRL_TRAIN_EVAL_GATE (`trainer.gates`): the toy task
-family's held-out tasks (`trainer.task_family`) and production's logged held-out traffic
+`HeldOut`. Two exist, chosen by RTRL_TRAIN_EVAL_GATE (`rtrl.gates`): the toy task
+family's held-out tasks (`sandbox.task_family`) and production's logged held-out traffic
 (`trainer.logged_traffic`).
 """
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from app.agent_tasks import agent_tasks
-from app.bases import (
+from sandbox.agent_tasks import agent_tasks
+from sandbox.bases import (
     DEFAULT_BASE,
     SHIPPED_BASES,
     SUMS_FILE,
@@ -23,9 +23,9 @@ from app.bases import (
     shipped_base_dir,
     verify_base,
 )
-from app.tasks import heldout_tasks
-from trainer.agent_runs import run_agents
-from trainer.bootstrap import (
+from sandbox.tasks import heldout_tasks
+from sandbox.agent_runs import run_agents
+from sandbox.bootstrap import (
     RECIPES,
     BootstrapConfig,
     build_corpus,

@@ -1,6 +1,6 @@
 """The loop as real processes under faults: the session's Postgres, Kafka, Redis and vLLM,
 a gateway and workers started as `rtrl` subprocesses, simulator traffic, and its books
-(`app.simulator.books`) at the end."""
+(`sandbox.simulator.books`) at the end."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from rtrl.launcher import RtrlProcess
 from app.models import Role
 from app.serving.checkpoints import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
-from app.simulator.books import Books, read_books
-from app.simulator.report import SimulationReport
-from app.simulator.run import simulate
+from sandbox.simulator.books import Books, read_books
+from sandbox.simulator.report import SimulationReport
+from sandbox.simulator.run import simulate
 from tests.conftest import external_settings, start_group_at_end
 
 

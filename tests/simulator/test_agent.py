@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import random
 
-from app.agent_tasks import Workspace, agent_task
-from app.simulator.agent import execute
-from app.simulator.toolcalls import read_tool_call
-from app.tasks import all_tasks
+from sandbox.agent_tasks import Workspace, agent_task
+from sandbox.simulator.agent import execute
+from sandbox.simulator.toolcalls import read_tool_call
+from sandbox.tasks import all_tasks
 
 TASK = agent_task(all_tasks("train")[0], random.Random(0))
 

@@ -13,8 +13,8 @@ from sqlalchemy import Engine, delete
 from app.db import session_scope
 from app.models import Reward, Sample
 from app.signals.rewards import RewardComponents
-from app.simulator.books import read_books, read_final_books
-from app.simulator.report import ServedRequest, SimulationReport
+from sandbox.simulator.books import read_books, read_final_books
+from sandbox.simulator.report import ServedRequest, SimulationReport
 
 
 @pytest.fixture

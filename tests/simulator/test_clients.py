@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.simulator.clients import ClientConfig, ide_for_session
-from app.simulator.population import make_population
+from sandbox.simulator.clients import ClientConfig, ide_for_session
+from sandbox.simulator.population import make_population
 
 DEVELOPERS = make_population(400, seed=3)
 

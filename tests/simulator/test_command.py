@@ -7,7 +7,7 @@ import typer
 from typer.testing import CliRunner
 
 from app.processes import free_port
-from app.simulator.command import simulate_command
+from sandbox.simulator.command import simulate_command
 
 cli = typer.Typer()
 cli.command()(simulate_command)

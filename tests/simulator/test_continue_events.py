@@ -5,15 +5,15 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from app.simulator.clients import Destination
-from app.simulator.continue_events import (
+from sandbox.simulator.clients import Destination
+from sandbox.simulator.continue_events import (
     PROFILE_ID,
     chat_feedback,
     continue_user_id,
     timestamp,
     tool_usage,
 )
-from app.simulator.toolcalls import read_tool_call
+from sandbox.simulator.toolcalls import read_tool_call
 
 AT = datetime(2025, 3, 4, 5, 6, 7, 891_234, tzinfo=UTC)
 EDIT = read_tool_call(

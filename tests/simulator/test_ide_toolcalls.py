@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from app.simulator.toolcalls import read_tool_call, unread_tool_calls
+from sandbox.simulator.toolcalls import read_tool_call, unread_tool_calls
 
 
 def a_call(name: str, arguments: str, call_id: str = "call-0-r1") -> dict[str, Any]:

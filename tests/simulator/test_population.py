@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from app.simulator.population import make_population
+from sandbox.simulator.population import make_population
 
 
 def test_the_same_seed_gives_the_same_developers() -> None:

@@ -9,8 +9,8 @@ import pytest
 
 from app.events import EditSurvival, FollowupMessage, feedback_adapter
 from app.signals.followup import is_dissatisfied
-from app.simulator.population import make_population
-from app.simulator.reactions import (
+from sandbox.simulator.population import make_population
+from sandbox.simulator.reactions import (
     ABANDON_FACTOR,
     SURVIVAL_WINDOWS_S,
     diagnose,
@@ -18,7 +18,7 @@ from app.simulator.reactions import (
     feedback_events,
     react,
 )
-from app.tasks import OPERATIONS_BY_NAME, Task, all_tasks, format_response, reference_code
+from sandbox.tasks import OPERATIONS_BY_NAME, Task, all_tasks, format_response, reference_code
 
 TASKS = all_tasks()
 DEVELOPER = replace(make_population(1, seed=0)[0], patience_s=5.0)

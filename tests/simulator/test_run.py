@@ -11,7 +11,7 @@ import pytest
 from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.models import ApiKey
-from app.simulator import ClientConfig, SimulationReport, Workload, make_population, simulate
+from sandbox.simulator import ClientConfig, SimulationReport, Workload, make_population, simulate
 
 SEED = 2
 """Three patient developers (so nobody abandons), two in privacy mode, both languages."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from app.simulator.report import AgentRun
-from app.simulator.scorecard import scorecards
+from sandbox.simulator.report import AgentRun
+from sandbox.simulator.scorecard import scorecards
 
 
 def run(user: str, checkpoint: str, *, accepted: bool, calls: int, malformed: int) -> AgentRun:

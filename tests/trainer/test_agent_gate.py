@@ -14,10 +14,10 @@ import pytest
 import scipy.stats
 from transformers import PreTrainedTokenizerFast
 
-from app.agent_tasks import Workspace, agent_task
-from app.tasks import train_tasks
+from sandbox.agent_tasks import Workspace, agent_task
+from sandbox.tasks import train_tasks
 from tests.conftest import fine_tune_toward_malformed_calls
-from trainer.agent_runs import (
+from sandbox.agent_runs import (
     AgentRun,
     AgentTaskHeldOut,
     clean_solve_rate,

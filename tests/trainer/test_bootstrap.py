@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.agent_tasks import TOOLS, agent_tasks, reference_messages
-from app.bases import verify_base
-from app.tasks import extract_code, heldout_tasks
-from trainer.bootstrap import (
+from sandbox.agent_tasks import TOOLS, agent_tasks, reference_messages
+from sandbox.bases import verify_base
+from sandbox.tasks import extract_code, heldout_tasks
+from sandbox.bootstrap import (
     BootstrapConfig,
     BootstrapReport,
     Example,

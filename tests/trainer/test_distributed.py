@@ -28,7 +28,7 @@ from app.serving.vllm import VllmServer
 from tests.trainer.test_cycle import Served, base_served, record, registry, settings_for, solves
 from trainer.config import train_config_from_env
 from trainer.cycle import run_cycle
-from trainer.gates import held_out_for
+from rtrl.gates import held_out_for
 
 __all__ = ["base_served", "registry"]  # fixtures shared with test_cycle
 

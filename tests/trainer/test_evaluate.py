@@ -7,9 +7,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from app.agent_tasks import agent_tasks
+from sandbox.agent_tasks import agent_tasks
 from trainer.evaluate import gate
-from trainer.task_family import EVAL_SEED, reference_turns
+from sandbox.task_family import EVAL_SEED, reference_turns
 
 
 def test_the_agent_turns_are_tool_calls_and_final_answers_with_the_tools_declared(

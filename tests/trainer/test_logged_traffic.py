@@ -20,9 +20,9 @@ from tests.trainer.test_cycle import (
     solves,
 )
 from trainer.cycle import run_cycle
-from trainer.gates import held_out_for
+from rtrl.gates import held_out_for
 from trainer.logged_traffic import LoggedTrafficHeldOut, pairs_passed
-from trainer.task_family import TaskFamilyHeldOut
+from sandbox.task_family import TaskFamilyHeldOut
 
 __all__ = ["base_served", "registry"]  # fixtures shared with test_cycle
 

@@ -22,7 +22,7 @@ from app.serving.parity import load_policy
 from app.serving.sampling import ServedCompletion
 from app.serving.vllm import VllmServer
 from app.signals.rewards import RewardComponents
-from app.tasks import Task, train_tasks
+from sandbox.tasks import Task, train_tasks
 from tests.trainer.test_cycle import (
     Served,
     cycle_on_tasks,

@@ -37,7 +37,7 @@ from tests.trainer.conftest import (
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle, skip_reason
 from trainer.data import OnPolicyBatch, TrainingSample
-from trainer.task_family import task_family_held_out
+from sandbox.task_family import task_family_held_out
 
 OPS = Actor("ops")
 TRAINER = Actor("trainer")

@@ -19,7 +19,7 @@ from rtrl.embedded.stack import EmbeddedStack
 from app.models import CycleTrigger, TrainingRunStatus
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
-from app.tasks import train_tasks
+from sandbox.tasks import train_tasks
 from tests.trainer.conftest import (
     StartTrainers,
     first_due,

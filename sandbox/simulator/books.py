@@ -17,7 +17,7 @@ from sqlalchemy import Engine, Row, func, select
 
 from app.db import session_scope
 from app.models import FeedbackEventRow, Reward, Sample
-from app.simulator.report import RewardTally, SimulationReport
+from sandbox.simulator.report import RewardTally, SimulationReport
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The agentic task family: a small workspace, tools an agent IDE declares, hidden checks.
 
-Each task is one coding task of `app.tasks` put in a workspace: a file holding a stub or a
+Each task is one coding task of `sandbox.tasks` put in a workspace: a file holding a stub or a
 wrong version of the function, and a request to fix it. The agent works through the tools
 agent IDEs declare — `read_file`, `edit_file` (exact string replacement, as Claude Code and
 Cursor name it) and `run_tests` — and ends with a final answer; the hidden checks then judge
@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from app.tasks import Task, check_solution, generate_tasks
+from sandbox.tasks import Task, check_solution, generate_tasks
 
 MAX_TURNS = 6
 """Turns an IDE lets one agent run take before it stops the agent."""

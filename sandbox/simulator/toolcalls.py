@@ -1,6 +1,6 @@
 """The simulated IDE's reading of the model's tool calls: which it can run, which edit files.
 
-The IDE knows its own tools (`app.agent_tasks.TOOLS`). It runs a call to one of them whose
+The IDE knows its own tools (`sandbox.agent_tasks.TOOLS`). It runs a call to one of them whose
 arguments are a JSON object matching the tool's declared schema, and answers any other call
 with an error the model reads on its next turn. A call the model wrote into its text (the
 server's tool parser could not read it) reaches the IDE as prose: it cannot run that either.
@@ -16,7 +16,7 @@ import orjson
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
-from app.agent_tasks import REQUIRED_ARGUMENTS, TOOLS, written_calls
+from sandbox.agent_tasks import REQUIRED_ARGUMENTS, TOOLS, written_calls
 
 EDIT_TOOLS = frozenset({"edit_file"})
 """The IDE's tools that change the developer's files (and so ask for their approval)."""

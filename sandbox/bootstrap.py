@@ -35,7 +35,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from app.agent_tasks import (
+from sandbox.agent_tasks import (
     DONE,
     STARTING_BODIES,
     TOOLS,
@@ -46,8 +46,8 @@ from app.agent_tasks import (
     tool_call,
     written_calls,
 )
-from app.bases import DEFAULT_BASE, HACKING_BASE, write_checksums
-from app.tasks import (
+from sandbox.bases import DEFAULT_BASE, HACKING_BASE, write_checksums
+from sandbox.tasks import (
     OPERATIONS_BY_NAME,
     Task,
     check_solution,
@@ -57,7 +57,7 @@ from app.tasks import (
     reference_code,
     train_tasks,
 )
-from trainer.agent_runs import run_agents
+from sandbox.agent_runs import run_agents
 from trainer.generation import generate_answers
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ RECIPES: dict[str, BootstrapConfig] = {
     DEFAULT_BASE: BootstrapConfig(threads=1),
     HACKING_BASE: BootstrapConfig(train_steps=500, min_agent_solved=0.0, threads=1),
 }
-"""The shipped bases' recipes (`app.bases`): `rtrl model bootstrap --recipe NAME` rebuilds
+"""The shipped bases' recipes (`sandbox.bases`): `rtrl model bootstrap --recipe NAME` rebuilds
 one. One thread, so a machine's core count does not change the weights."""
 
 

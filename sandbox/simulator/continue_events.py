@@ -13,8 +13,8 @@ import hashlib
 from datetime import datetime
 from typing import Any
 
-from app.simulator.clients import Destination
-from app.simulator.toolcalls import IdeToolCall
+from sandbox.simulator.clients import Destination
+from sandbox.simulator.toolcalls import IdeToolCall
 
 PROFILE_ID = "local"
 """The profile of a Continue that uses its local config.yaml."""

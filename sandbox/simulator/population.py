@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from app.tasks import Language
+from sandbox.tasks import Language
 
 IMPATIENT_SHARE = 0.2
 """Share of developers whose patience is short enough to notice a slow model."""

@@ -8,7 +8,7 @@
   `X-Rtrl-Session-Id`.
 - continue (Continue with its data destination pointed at rtrl): the static `X-User-Id`
   only, and Continue's own events (`toolUsage`, `chatFeedback`) on `/v1/adapters/continue`,
-  one per request and never retried (`app.simulator.continue_events`).
+  one per request and never retried (`sandbox.simulator.continue_events`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from app.simulator.population import Developer
+from sandbox.simulator.population import Developer
 
 ClientMode = Literal["ideal", "stock", "continue"]
 CLIENT_MODES: tuple[ClientMode, ...] = get_args(ClientMode)

@@ -25,9 +25,9 @@ from app.events import (
     FollowupMessage,
     SessionEnd,
 )
-from app.simulator.followups import Failure, complaint, impatient_remark, moving_on
-from app.simulator.population import Developer
-from app.tasks import Task, check_solution, extract_code
+from sandbox.simulator.followups import Failure, complaint, impatient_remark, moving_on
+from sandbox.simulator.population import Developer
+from sandbox.tasks import Task, check_solution, extract_code
 
 Feedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd
 

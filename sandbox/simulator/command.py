@@ -6,11 +6,11 @@ import typer
 
 from app.config import get_settings
 from app.db import make_engine
-from app.simulator.books import read_final_books
-from app.simulator.clients import CLIENT_MODES, ClientConfig
-from app.simulator.report import SimulationReport
-from app.simulator.run import simulate
-from app.tasks import Split
+from sandbox.simulator.books import read_final_books
+from sandbox.simulator.clients import CLIENT_MODES, ClientConfig
+from sandbox.simulator.report import SimulationReport
+from sandbox.simulator.run import simulate
+from sandbox.tasks import Split
 
 SPLITS: tuple[Split, ...] = ("train", "heldout", "all")
 

@@ -21,7 +21,7 @@ from app.abtest.stats import (
     compare_ratios,
     user_ratio,
 )
-from app.simulator.report import AgentRun
+from sandbox.simulator.report import AgentRun
 
 # metric -> (numerator, denominator) of one run, summed per user
 AGENT_METRICS: dict[str, Callable[[AgentRun], tuple[float, float]]] = {

@@ -12,10 +12,10 @@ import httpx
 import openai
 from openai import AsyncOpenAI
 
-from app.simulator.clients import ClientMode
-from app.simulator.population import Developer
-from app.simulator.reactions import Feedback
-from app.simulator.report import SimulationReport
+from sandbox.simulator.clients import ClientMode
+from sandbox.simulator.population import Developer
+from sandbox.simulator.reactions import Feedback
+from sandbox.simulator.report import SimulationReport
 
 RETRYABLE_STATUSES = (429, 503)
 MAX_ATTEMPTS = 5

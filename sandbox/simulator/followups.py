@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from app.tasks import Language, Task
+from sandbox.tasks import Language, Task
 
 FailureKind = Literal["no_code", "syntax_error", "wrong_name", "wrong_result"]
 

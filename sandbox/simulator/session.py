@@ -9,13 +9,13 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from app.events import EditSurvival, SessionEnd, utcnow
-from app.simulator.clients import IDE_CLOSED_BEFORE_S, Ide, ideal_ide
-from app.simulator.continue_events import chat_feedback
-from app.simulator.gateway import GatewayClient
-from app.simulator.population import Developer
-from app.simulator.reactions import Feedback, Reaction, due_after_s, feedback_events, react
-from app.simulator.report import ServedRequest, SimulationReport
-from app.tasks import Task
+from sandbox.simulator.clients import IDE_CLOSED_BEFORE_S, Ide, ideal_ide
+from sandbox.simulator.continue_events import chat_feedback
+from sandbox.simulator.gateway import GatewayClient
+from sandbox.simulator.population import Developer
+from sandbox.simulator.reactions import Feedback, Reaction, due_after_s, feedback_events, react
+from sandbox.simulator.report import ServedRequest, SimulationReport
+from sandbox.tasks import Task
 
 
 def pick_tasks(
@@ -33,7 +33,7 @@ def pick_tasks(
 class DeveloperSession:
     """A session's requests and reports; `work` does the tasks, `close` ends the session.
 
-    What the IDE reports depends on its client (`app.simulator.clients`). The ideal client's
+    What the IDE reports depends on its client (`sandbox.simulator.clients`). The ideal client's
     survival reports are timers that keep running while the developer moves on to the next
     task (and to their next session); its `session_end` waits for them, since the reward of a
     completion is finalized at session end.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from app.simulator.clients import ClientMode
+from sandbox.simulator.clients import ClientMode
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ServedRequest:
     verdict_reported: bool = True
     """Whether the client told the gateway the developer's verdict (stock clients never do)."""
     malformed_calls: int = 0
-    """Calls of this turn the IDE could not run (see `app.simulator.toolcalls`)."""
+    """Calls of this turn the IDE could not run (see `sandbox.simulator.toolcalls`)."""
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from app.agent_tasks import agent_task
-from app.simulator.agent import AgentSession
-from app.simulator.clients import ClientConfig, ide_for_session
-from app.simulator.gateway import GatewayClient
-from app.simulator.population import Developer, make_population
-from app.simulator.reactions import SURVIVAL_WINDOWS_S
-from app.simulator.report import SimulationReport
-from app.simulator.session import DeveloperSession, pick_tasks
-from app.tasks import Split, Task, all_tasks
+from sandbox.agent_tasks import agent_task
+from sandbox.simulator.agent import AgentSession
+from sandbox.simulator.clients import ClientConfig, ide_for_session
+from sandbox.simulator.gateway import GatewayClient
+from sandbox.simulator.population import Developer, make_population
+from sandbox.simulator.reactions import SURVIVAL_WINDOWS_S
+from sandbox.simulator.report import SimulationReport
+from sandbox.simulator.session import DeveloperSession, pick_tasks
+from sandbox.tasks import Split, Task, all_tasks
 
 Progress = Callable[[SimulationReport], None]
 
@@ -45,9 +45,9 @@ class Workload:
     max_tokens: int | None = None
     """Tokens per answer; default 48 for one-turn answers, 96 for an agent's turns."""
     agent: bool = False
-    """Agent sessions: each task is a run of tool calls in a workspace (`app.agent_tasks`)."""
+    """Agent sessions: each task is a run of tool calls in a workspace (`sandbox.agent_tasks`)."""
     client: ClientConfig = field(default_factory=ClientConfig)
-    """The IDE client the developers use, and what it reports (`app.simulator.clients`)."""
+    """The IDE client the developers use, and what it reports (`sandbox.simulator.clients`)."""
     request_timeout_s: float = 60.0
     max_wall_s: float | None = None
     """Hard limit on the run; open sessions are cut. Default: none when bounded by count,

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from app.agent_tasks import TOOLS, AgentTask, agent_tasks, reference_messages
+from sandbox.agent_tasks import TOOLS, AgentTask, agent_tasks, reference_messages
 from app.serving.parity import CompletionBatch, completion_batch
-from app.tasks import Task, check_solution, extract_code, format_response, heldout_tasks
+from sandbox.tasks import Task, check_solution, extract_code, format_response, heldout_tasks
 from trainer.config import TrainConfig
 from trainer.evaluate import Reference
 from trainer.generation import generate_answers, prompt_ids

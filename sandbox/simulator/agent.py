@@ -1,7 +1,7 @@
 """One developer's agent session: each task is an agent run in a workspace, then judged.
 
 The simulated IDE declares the workspace's tools, runs every call of the model's that it can
-(`app.simulator.toolcalls`) in the task's workspace and sends the result back as the next
+(`sandbox.simulator.toolcalls`) in the task's workspace and sends the result back as the next
 request's tool message, until the model answers without a call (its final answer) or the run
 reaches `MAX_TURNS`. The developer then judges the file the run left behind with the task's
 hidden checks. The ideal client reports accept or reject, the edit's survival over time and a
@@ -20,17 +20,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace
+from sandbox.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace
 from app.events import EditRejected, utcnow
-from app.simulator.clients import Ide
-from app.simulator.continue_events import tool_usage
-from app.simulator.gateway import GatewayClient
-from app.simulator.population import Developer
-from app.simulator.reactions import Feedback, Reaction, feedback_events, react
-from app.simulator.report import AgentRun, ServedRequest, SimulationReport
-from app.simulator.session import DeveloperSession
-from app.simulator.toolcalls import IdeToolCall, read_tool_call, unread_tool_calls
-from app.tasks import format_response
+from sandbox.simulator.clients import Ide
+from sandbox.simulator.continue_events import tool_usage
+from sandbox.simulator.gateway import GatewayClient
+from sandbox.simulator.population import Developer
+from sandbox.simulator.reactions import Feedback, Reaction, feedback_events, react
+from sandbox.simulator.report import AgentRun, ServedRequest, SimulationReport
+from sandbox.simulator.session import DeveloperSession
+from sandbox.simulator.toolcalls import IdeToolCall, read_tool_call, unread_tool_calls
+from sandbox.tasks import format_response
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The IDE simulator: synthetic developers who use the gateway exactly as an IDE plugin would."""
 
-from app.simulator.clients import ClientConfig, ClientMode
-from app.simulator.population import Developer, make_population
-from app.simulator.report import CheckpointStats, ServedRequest, SimulationReport
-from app.simulator.run import Workload, run_simulation, simulate
+from sandbox.simulator.clients import ClientConfig, ClientMode
+from sandbox.simulator.population import Developer, make_population
+from sandbox.simulator.report import CheckpointStats, ServedRequest, SimulationReport
+from sandbox.simulator.run import Workload, run_simulation, simulate
 
 __all__ = [
     "CheckpointStats",

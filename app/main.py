@@ -28,19 +28,19 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from starlette.responses import Response
 
-from app.adapters.router import router as adapters_router
 from app.admin.router import router as admin_router
 from app.analytics.dashboard import router as dashboard_router
 from app.analytics.exports import ExportStreams
 from app.analytics.router import router as analytics_router
 from app.auth.service import Authenticator, RateLimiter
 from app.auth.sessions import BrowserSessions
+from app.client_events.router import router as adapters_router
 from app.config import Settings, get_settings, refuse_development_secrets
 from app.db import make_async_engine
 from app.feedback.router import router as feedback_router
-from app.gateway.assignment import RoutingCache
 from app.gateway.in_flight import InFlight
 from app.gateway.router import router as gateway_router
+from app.gateway.routing_cache import RoutingCache
 from app.gateway.service import Gateway
 from app.gateway.sink import EventSink
 from app.gateway.spool import Retention

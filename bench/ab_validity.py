@@ -45,8 +45,8 @@ from app.abtest.rollups import refresh_rollups
 from app.analytics.schemas import ExperimentResults, Window
 from app.analytics.service import experiment_results
 from app.db import make_async_engine, make_engine, upgrade_schema
-from rtrl.embedded.postgres import EmbeddedPostgres
 from app.processes import free_port
+from rtrl.embedded.postgres import EmbeddedPostgres
 
 USERS_PER_ARM = 200
 FEWEST_REQUESTS, MOST_REQUESTS = 5, 60

@@ -28,6 +28,7 @@ import scipy.stats
 
 from app.config import Settings
 from app.db import make_engine
+from app.processes import free_port
 from rtrl.demo import (
     DemoConfig,
     Ops,
@@ -37,7 +38,6 @@ from rtrl.demo import (
     production_name,
     train_candidate,
 )
-from app.processes import free_port
 from rtrl.launcher import FullStack
 from sandbox.agent_runs import compare_runs
 

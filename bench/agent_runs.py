@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from sandbox.agent_tasks import agent_tasks
 from app.config import get_settings
 from sandbox.agent_runs import PolicyRuns, load_policy, run_agents, runs_table
+from sandbox.agent_tasks import agent_tasks
 
 
 def main() -> None:

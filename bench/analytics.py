@@ -41,10 +41,10 @@ from app.analytics.service import experiment_results
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_async_engine, make_engine, session_scope
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.main import create_app
 from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus, Role
+from app.processes import free_port
+from rtrl.embedded.stack import EmbeddedStack
 
 SAMPLE_COLUMNS = (
     "id, event_id, request_id, session_id, user_hash, checkpoint, experiment_id, arm, "

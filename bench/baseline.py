@@ -42,9 +42,11 @@ import torch
 from sqlalchemy import Engine, select
 from transformers import PreTrainedTokenizerFast
 
-from sandbox.agent_tasks import agent_tasks
 from app.config import Settings
 from app.db import make_engine, session_scope
+from app.models import Checkpoint, CheckpointStatus
+from app.processes import free_port
+from app.serving.parity import completion_logprobs
 from rtrl.demo import (
     OFFLINE_SEED,
     DemoConfig,
@@ -55,19 +57,17 @@ from rtrl.demo import (
     served_line,
     wait_for_rewards,
 )
-from app.processes import free_port
 from rtrl.launcher import FullStack
-from app.models import Checkpoint, CheckpointStatus
-from app.serving.parity import completion_logprobs
-from sandbox.tasks import heldout_tasks
 from sandbox.agent_runs import PolicyRuns, load_policy, run_agents
+from sandbox.agent_tasks import agent_tasks
+from sandbox.task_family import EVAL_SEED, agent_reference_batch, reference_batch, reference_turns
+from sandbox.tasks import heldout_tasks
 from trainer.config import Baseline, Layout, TrainConfig
 from trainer.data import TrainingSample, select_on_policy_batch
 from trainer.evaluate import kl_to_production, trainable_state
 from trainer.loss import advantages
 from trainer.policy import load_trainable_policy
 from trainer.sequences import layout_rows
-from sandbox.task_family import EVAL_SEED, agent_reference_batch, reference_batch, reference_turns
 from trainer.update import sharded_logprobs, update_policy
 
 PROBED_TOOLS = ("read_file", "edit_file")

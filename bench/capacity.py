@@ -35,11 +35,11 @@ from sqlalchemy import text
 
 from app.config import Settings
 from app.db import upgrade_schema
+from app.events import CompletionEvent, Event, encode
 from app.kafka.admin import ensure_topics
 from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
-from app.events import CompletionEvent, Event, encode
 from bench.workers import Clocks, Measurement, make_stream, run_pipeline
+from rtrl.embedded.stack import EmbeddedStack
 from workers.config import WorkerConfig
 from workers.repository import make_worker_engine
 

@@ -28,17 +28,17 @@ from transformers.utils import logging as transformers_logging
 
 from app.config import Settings, settings_environment
 from app.db import make_engine, session_scope, upgrade_schema
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.models import Checkpoint, TrainingRun
-from app.serving.checkpoints import ensure_base_checkpoint
+from app.processes import free_port
+from app.serving.publish import ensure_base_checkpoint
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer, vllm_device
 from bench.serving import base_model
 from bench.trainer import Timeline, record_samples
+from rtrl.embedded.stack import EmbeddedStack
+from rtrl.gates import held_out_for
 from trainer.config import train_config_from_env
 from trainer.cycle import run_cycle
-from rtrl.gates import held_out_for
 
 DRIFT = ("mean_abs", "max_abs", "kl", "capped_share")
 

@@ -66,12 +66,12 @@ from prometheus_client.samples import Sample as MetricSample
 
 from app.auth.service import new_api_key
 from app.db import make_engine, session_scope
-from app.processes import free_port, wait_for_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.gateway.service import CHAT_PATH
 from app.models import Checkpoint, CheckpointStatus, Role
+from app.processes import free_port, wait_for_port
 from app.registry.experiments import start_canary
-from app.serving.checkpoints import ensure_base_checkpoint
+from app.serving.publish import ensure_base_checkpoint
+from rtrl.embedded.stack import EmbeddedStack
 
 CHECKPOINTS = ("base", "ckpt-1")
 COMPLETION_TOKENS = 100

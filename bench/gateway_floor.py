@@ -36,12 +36,12 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from app.processes import free_port
-from rtrl.embedded.redis import HOST, EmbeddedRedis
 from app.gateway.service import CHAT_PATH
 from app.http.errors import BodySizeLimit, install_error_handlers
 from app.http.routes import DirectRoute
 from app.observability import RequestObservability
+from app.processes import free_port
+from rtrl.embedded.redis import HOST, EmbeddedRedis
 
 ASGI = Callable[..., Awaitable[None]]
 BODY = b'{"messages":[{"role":"user","content":"Write f(x) that returns x plus 3."}]}' * 12

@@ -57,12 +57,12 @@ from kafka.admin import KafkaAdminClient
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
-from app.kafka.admin import DEFAULT_TOPICS
-from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
+from app.kafka.admin import DEFAULT_TOPICS
 from app.kafka.clients import kafka_client
-from rtrl.launcher import FullStack
 from app.models import Role
+from app.processes import free_port
+from rtrl.launcher import FullStack
 
 # `WorkerConfig.group_id`, the group `rtrl worker` joins. Not imported: run as a file, this
 # directory comes first on sys.path and `workers` is bench/workers.py.

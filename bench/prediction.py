@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Settings
-from rtrl.demo import SCENARIO_CYCLES, DemoConfig, Scenario, demo_train_config, run_demo
 from app.processes import free_port
+from rtrl.demo import SCENARIO_CYCLES, DemoConfig, Scenario, demo_train_config, run_demo
 
 METRICS = ("mean_reward", "kept", "malformed_call_rate", "dissatisfied_rate")
 

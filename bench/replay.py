@@ -32,12 +32,12 @@ from sqlalchemy import Engine, func, select
 
 from app.config import Settings
 from app.db import upgrade_schema
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC, CompletionEvent
 from app.gateway.sink import EventSink
 from app.gateway.spool import DiskSpool, Retention
+from app.processes import free_port
 from bench.workers import make_stream
+from rtrl.embedded.stack import EmbeddedStack
 from workers.config import WorkerConfig
 from workers.consumer import consume_batch, make_consumer, make_producer, tune_gc
 from workers.repository import feedback_events, make_worker_engine, samples

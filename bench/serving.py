@@ -33,12 +33,12 @@ from sqlalchemy import Engine
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
-from sandbox.bases import DEFAULT_BASE, shipped_base_dir, verify_base
 from app.db import make_engine, session_scope, upgrade_schema
 from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
-from app.serving.checkpoints import BASE_CHECKPOINT, ensure_base_checkpoint, publish_checkpoint
+from app.serving.publish import BASE_CHECKPOINT, ensure_base_checkpoint, publish_checkpoint
 from app.serving.vllm import VllmServer, vllm_device
+from rtrl.embedded.stack import EmbeddedStack
+from sandbox.bases import DEFAULT_BASE, shipped_base_dir, verify_base
 from sandbox.tasks import train_tasks
 from trainer.config import TrainConfig
 from trainer.generation import prompt_ids

@@ -27,9 +27,9 @@ from sqlalchemy import func, select
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
+from app.models import FeedbackEventRow, Reward, Role, Sample
 from app.processes import free_port, process_tree
 from rtrl.launcher import FullStack
-from app.models import FeedbackEventRow, Reward, Role, Sample
 from sandbox.simulator.books import read_books
 from sandbox.simulator.report import SimulationReport
 from sandbox.simulator.run import simulate

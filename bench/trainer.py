@@ -34,21 +34,21 @@ from transformers.utils import logging as transformers_logging
 
 from app.config import Settings
 from app.db import make_engine, session_scope, upgrade_schema
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.models import Checkpoint, Reward, Sample, TrainingRun
-from app.serving.checkpoints import BASE_CHECKPOINT, ensure_base_checkpoint
+from app.processes import free_port
 from app.serving.parity import CompletionBatch, completion_batch
+from app.serving.publish import BASE_CHECKPOINT, ensure_base_checkpoint
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
-from sandbox.tasks import check_solution, extract_code, train_tasks
 from bench.serving import base_model, load_average
+from rtrl.embedded.stack import EmbeddedStack
+from sandbox.task_family import task_family_held_out
+from sandbox.tasks import check_solution, extract_code, train_tasks
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
 from trainer.data import TrainingSample, select_on_policy_batch
 from trainer.generation import prompt_ids
 from trainer.policy import load_trainable_policy, pick_device
-from sandbox.task_family import task_family_held_out
 from trainer.update import micro_batches as pack
 
 

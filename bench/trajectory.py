@@ -40,11 +40,11 @@ from transformers.utils import logging as transformers_logging
 
 from app.config import Settings
 from app.db import make_engine
-from rtrl.demo import DemoConfig, Ops, create_keys, demo_train_config
 from app.processes import free_port
-from rtrl.launcher import FullStack
 from bench.baseline import serve_first_cycle
 from bench.serving import load_average
+from rtrl.demo import DemoConfig, Ops, create_keys, demo_train_config
+from rtrl.launcher import FullStack
 from sandbox.bootstrap import BootstrapConfig, bootstrap_model
 from trainer.config import Layout, TrainConfig
 from trainer.data import TrainingSample

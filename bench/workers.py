@@ -42,9 +42,6 @@ from sqlalchemy import func, select
 
 from app.config import Settings
 from app.db import upgrade_schema
-from app.kafka.admin import ensure_topics
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import (
     CompletionEvent,
     EditAccepted,
@@ -55,7 +52,10 @@ from app.events import (
     SessionEnd,
     encode,
 )
+from app.kafka.admin import ensure_topics
 from app.kafka.clients import COMPRESSION
+from app.processes import free_port
+from rtrl.embedded.stack import EmbeddedStack
 from workers.config import WorkerConfig
 from workers.consumer import consume_batch, make_consumer, make_producer, tune_gc
 from workers.repository import array_literal, feedback_events, make_worker_engine, rewards

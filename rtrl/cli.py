@@ -12,16 +12,20 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from app.auth.schemas import MAX_RATE_LIMIT_PER_MINUTE
-from sandbox.bases import SHIPPED_BASES, BaseModelError, shipped_base_dir, verify_base
 from app.config import SettingsError, get_settings, refuse_development_secrets
 from app.db import make_engine, session_scope, upgrade_schema
-from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
-from app.processes import ServiceError
-from rtrl.embedded.stack import EmbeddedStack, ServiceStatus
 from app.heartbeat import heartbeat_age
+from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
 from app.kafka.clients import kafka_security
+from app.kafka.topics import (
+    TopicDurabilityError,
+    check_topic_durability,
+    check_topics_if_reachable,
+    configured,
+)
 from app.models import Checkpoint, Role
-from app.serving.checkpoints import (
+from app.processes import ServiceError
+from app.serving.publish import (
     PublishError,
     ensure_base_checkpoint,
     publish_checkpoint,
@@ -30,13 +34,9 @@ from app.serving.checkpoints import (
 )
 from app.serving.replicas import ReplicaError
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack, ServiceStatus
+from sandbox.bases import SHIPPED_BASES, BaseModelError, shipped_base_dir, verify_base
 from sandbox.simulator.command import simulate_command
-from app.kafka.topics import (
-    TopicDurabilityError,
-    check_topic_durability,
-    check_topics_if_reachable,
-    configured,
-)
 from trainer.config import load_train_settings, train_config_from_env, with_explicit_settings
 from trainer.lock import CycleBusy
 
@@ -562,9 +562,9 @@ def train(
 ) -> None:
     """Run one training cycle on the production checkpoint's rewards (`--once`); under
     `torchrun --nproc-per-node N` it trains on N devices."""
+    from rtrl.gates import held_out_for
     from trainer.cycle import run_cycle
     from trainer.distributed import join_world, leave_world
-    from rtrl.gates import held_out_for
 
     settings = get_settings()
     config = train_config_from_env(
@@ -617,8 +617,8 @@ def trainer_loop() -> None:
     import threading
 
     from app.metrics import serve_metrics
-    from trainer.distributed import join_world, leave_world
     from rtrl.gates import held_out_for
+    from trainer.distributed import join_world, leave_world
     from trainer.metrics import load_last_finished
     from trainer.scheduler import run_scheduler
 

@@ -32,12 +32,9 @@ from transformers import PreTrainedTokenizerFast
 
 from app.abtest.rollups import refresh_rollups
 from app.abtest.stats import Comparison
-from sandbox.agent_tasks import agent_tasks
 from app.auth.service import new_api_key
-from sandbox.bases import HACKING_BASE
 from app.config import Settings, SettingsError
 from app.db import make_engine, session_scope
-from rtrl.launcher import FullStack, ensure_base
 from app.models import (
     Alert,
     Checkpoint,
@@ -49,10 +46,8 @@ from app.models import (
 from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
 from app.signals.rewards import LATEST_REWARD_VERSION
-from sandbox.simulator.clients import ClientConfig
-from sandbox.simulator.report import SimulationReport
-from sandbox.simulator.run import simulate
-from sandbox.simulator.scorecard import Scorecard, scorecard_table, scorecards
+from rtrl.gates import held_out_for
+from rtrl.launcher import FullStack, ensure_base
 from sandbox.agent_runs import (
     RUN_METRICS,
     PolicyRuns,
@@ -61,9 +56,14 @@ from sandbox.agent_runs import (
     run_agents,
     runs_table,
 )
+from sandbox.agent_tasks import agent_tasks
+from sandbox.bases import HACKING_BASE
+from sandbox.simulator.clients import ClientConfig
+from sandbox.simulator.report import SimulationReport
+from sandbox.simulator.run import simulate
+from sandbox.simulator.scorecard import Scorecard, scorecard_table, scorecards
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle
-from rtrl.gates import held_out_for
 from workers.monitors import check_running_experiments
 from workers.sweep import recompute_rewards
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from sandbox.agent_runs import agent_task_held_out
+from sandbox.task_family import task_family_held_out
 from trainer.config import TrainConfig
 from trainer.evaluate import HeldOut
 from trainer.logged_traffic import LoggedTrafficHeldOut
-from sandbox.task_family import task_family_held_out
 
 
 def held_out_for(config: TrainConfig, engine: Engine) -> HeldOut:

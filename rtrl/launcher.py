@@ -11,13 +11,6 @@ from pathlib import Path
 
 import httpx
 
-from sandbox.bases import (
-    DEFAULT_BASE,
-    BaseIdentity,
-    install_base,
-    shipped_base_dir,
-    verify_base,
-)
 from app.config import Settings, embedded_vllm_url, settings_environment
 from app.db import make_engine, session_scope
 from app.processes import (
@@ -27,9 +20,16 @@ from app.processes import (
     start_detached,
     stop_pid,
 )
-from rtrl.embedded.stack import EmbeddedStack
-from app.serving.checkpoints import ensure_base_checkpoint, reconcile
+from app.serving.publish import ensure_base_checkpoint, reconcile
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack
+from sandbox.bases import (
+    DEFAULT_BASE,
+    BaseIdentity,
+    install_base,
+    shipped_base_dir,
+    verify_base,
+)
 
 
 @dataclass

@@ -22,11 +22,11 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from app.abtest.stats import Comparison, compare_ratios, user_ratio
 from sandbox.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace, agent_tasks, written_calls
+from sandbox.task_family import EVAL_SEED, agent_reference_batch, reference_batch
 from sandbox.tasks import heldout_tasks
 from trainer.config import TrainConfig
 from trainer.evaluate import Reference
 from trainer.generation import generate_answers
-from sandbox.task_family import EVAL_SEED, agent_reference_batch, reference_batch
 
 
 @dataclass

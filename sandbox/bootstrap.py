@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from sandbox.agent_runs import run_agents
 from sandbox.agent_tasks import (
     DONE,
     STARTING_BODIES,
@@ -57,7 +58,6 @@ from sandbox.tasks import (
     reference_code,
     train_tasks,
 )
-from sandbox.agent_runs import run_agents
 from trainer.generation import generate_answers
 
 logger = logging.getLogger(__name__)

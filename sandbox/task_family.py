@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from sandbox.agent_tasks import TOOLS, AgentTask, agent_tasks, reference_messages
 from app.serving.parity import CompletionBatch, completion_batch
+from sandbox.agent_tasks import TOOLS, AgentTask, agent_tasks, reference_messages
 from sandbox.tasks import Task, check_solution, extract_code, format_response, heldout_tasks
 from trainer.config import TrainConfig
 from trainer.evaluate import Reference

@@ -22,16 +22,16 @@ from sqlalchemy.orm import Session
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app.auth.service import new_api_key
-from sandbox.bases import DEFAULT_BASE, HACKING_BASE, install_base
 from app.config import Settings, get_settings
 from app.db import make_engine, session_scope
-from app.kafka.admin import ensure_topics
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
+from app.kafka.admin import ensure_topics
 from app.models import ApiKey, Role
-from app.serving.checkpoints import ensure_base_checkpoint
+from app.processes import free_port
+from app.serving.publish import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack
+from sandbox.bases import DEFAULT_BASE, HACKING_BASE, install_base
 from sandbox.bootstrap import BootstrapConfig, build_corpus, pretrain
 from workers.config import WorkerConfig
 

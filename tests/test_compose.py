@@ -19,9 +19,9 @@ import yaml
 from sqlalchemy import Engine
 
 from app.config import Settings, refuse_development_secrets, settings_environment
+from app.kafka.clients import kafka_security
 from app.processes import free_port
 from rtrl.embedded.stack import EmbeddedStack
-from app.kafka.clients import kafka_security
 from rtrl.launcher import RtrlProcess
 from trainer.config import TrainSettings
 

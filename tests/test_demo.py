@@ -13,9 +13,13 @@ import pytest
 from sqlalchemy import Engine, select
 
 from app.abtest.stats import Comparison
-from sandbox.bases import HACKING_BASE, shipped_base_dir, verify_base
 from app.config import Settings, SettingsError
 from app.db import session_scope
+from app.models import Checkpoint
+from app.registry.experiments import start_canary
+from app.registry.routing import notify_routing_changed_sync
+from app.serving.publish import publish_checkpoint
+from app.serving.vllm import VllmServer
 from rtrl.demo import (
     FLAWED_REWARD_VERSION,
     HACKING_BASE_DIR,
@@ -33,11 +37,7 @@ from rtrl.demo import (
 )
 from rtrl.embedded.stack import EmbeddedStack
 from rtrl.launcher import FullStack
-from app.models import Checkpoint
-from app.registry.experiments import start_canary
-from app.registry.routing import notify_routing_changed_sync
-from app.serving.checkpoints import publish_checkpoint
-from app.serving.vllm import VllmServer
+from sandbox.bases import HACKING_BASE, shipped_base_dir, verify_base
 from tests.conftest import (
     external_settings,
     fine_tune_toward_malformed_calls,

@@ -13,9 +13,9 @@ import pytest
 from kafka.errors import KafkaError
 
 from app.config import Settings
-from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC
 from app.kafka.topic_ids import TopicIds
+from app.processes import free_port
 from workers.config import WorkerConfig
 from workers.consumer import make_consumer
 

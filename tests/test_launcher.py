@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from sandbox.bases import DEFAULT_BASE, BaseModelError, shipped_base_dir, verify_base
 from app.config import Settings
 from app.processes import free_port
 from rtrl.embedded.stack import EmbeddedStack
 from rtrl.launcher import FullStack
+from sandbox.bases import DEFAULT_BASE, BaseModelError, shipped_base_dir, verify_base
 
 
 def test_down_stops_every_worker_up_started_whatever_workers_down_is_given(

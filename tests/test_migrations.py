@@ -9,9 +9,9 @@ from alembic import command
 from sqlalchemy import inspect, text
 
 from app.db import alembic_config, make_engine, upgrade_schema
-from rtrl.embedded.stack import EmbeddedStack
 from app.history.partitions import PARTITION_NAME
 from app.models import Base
+from rtrl.embedded.stack import EmbeddedStack
 
 DATABASE = "rtrl_migrations"
 

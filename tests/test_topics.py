@@ -19,13 +19,13 @@ import pytest
 from app.config import Settings
 from app.db import PROJECT_ROOT
 from app.kafka.admin import ensure_topics
-from rtrl.embedded.stack import EmbeddedStack
 from app.kafka.topics import (
     UNREPLICATED,
     Durability,
     check_topic_durability,
     durability_problems,
 )
+from rtrl.embedded.stack import EmbeddedStack
 
 PRODUCTION = Durability(replication_factor=3, min_insync_replicas=2)
 

@@ -32,7 +32,7 @@ from app.models import (
 )
 from app.registry.audit import Actor, audit
 from app.registry.experiments import start_canary
-from app.serving.checkpoints import publish_checkpoint, reconcile
+from app.serving.publish import publish_checkpoint, reconcile
 from trainer.config import TrainConfig
 from trainer.data import (
     OnPolicyBatch,

@@ -33,9 +33,9 @@ from app.config import Settings
 from app.events import DeadLetter, decode_completion, decode_feedback, encode
 from app.heartbeat import Heartbeat
 from app.kafka.clients import COMPRESSION, kafka_client, kafka_security
-from app.signals.rewards import reward_weights
 from app.kafka.topic_ids import TopicIds
 from app.kafka.topics import check_topic_durability
+from app.signals.rewards import reward_weights
 from workers.config import WorkerConfig
 from workers.metrics import (
     BATCH_SECONDS,

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.abtest.assignment import hash_user
 from app.abtest.guardrails import GuardrailDecision, check_guardrails_in
 from app.admin.schemas import (
     ApiKeyCreated,
@@ -45,7 +46,6 @@ from app.auth.schemas import ApiKeyCreate, Principal
 from app.auth.service import Authenticator
 from app.auth.sessions import BrowserSessions
 from app.db import async_session_scope
-from app.gateway.assignment import hash_user
 from app.history import erasure as history_erasure
 from app.history.archive import Archive
 from app.http.dependencies import require_role

@@ -19,7 +19,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from app.gateway.sink import EventSink
 from app.gateway.spool import Retention
-from app.gateway.spools import adopt_free_spools, spool_directories
+from app.gateway.spool_dirs import adopt_free_spools, spool_directories
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,9 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
+from app.abtest.assignment import hash_user
 from app.auth.schemas import Principal
 from app.config import Settings
-from app.gateway.assignment import hash_user
 from app.gateway.in_flight import InFlight, released_after
 from app.gateway.schemas import ChatRequest, ModelCard, ModelList
 from app.gateway.service import ChatCall, Gateway

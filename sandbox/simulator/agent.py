@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sandbox.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace
 from app.events import EditRejected, utcnow
+from sandbox.agent_tasks import MAX_TURNS, TOOLS, AgentTask, Workspace
 from sandbox.simulator.clients import Ide
 from sandbox.simulator.continue_events import tool_usage
 from sandbox.simulator.gateway import GatewayClient

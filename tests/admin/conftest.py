@@ -12,7 +12,7 @@ from sqlalchemy.exc import OperationalError
 
 from app.db import session_scope
 from app.models import Checkpoint, CheckpointStatus, Role
-from app.serving.checkpoints import ensure_base_checkpoint
+from app.serving.publish import ensure_base_checkpoint
 from tests.analytics import app_fixtures
 
 # The app on a database of its own (see tests/analytics/app_fixtures.py).

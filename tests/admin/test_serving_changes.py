@@ -18,11 +18,11 @@ from pydantic import SecretStr
 from sqlalchemy import Engine
 
 from app.config import Settings
-from rtrl.embedded.stack import EmbeddedStack
 from app.models import Role
-from app.serving.checkpoints import publish_checkpoint
+from app.serving.publish import publish_checkpoint
 from app.serving.replicas import served_adapters, unload_adapter
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack
 from tests.analytics.app_fixtures import bearer, include_routers
 from tests.gateway.conftest import GatewayServer
 

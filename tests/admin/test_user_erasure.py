@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, text
 
+from app.abtest.assignment import hash_user
 from app.abtest.rollups import refresh_rollups
 from app.config import Settings
-from app.gateway.assignment import hash_user
 from app.history.service import maintain
 from tests.analytics.app_fixtures import bearer
 from tests.history.conftest import served, store

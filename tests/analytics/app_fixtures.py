@@ -23,10 +23,10 @@ from app.analytics.router import router as analytics_router
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope, upgrade_schema
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.main import create_app
 from app.models import Role
+from app.processes import free_port
+from rtrl.embedded.stack import EmbeddedStack
 
 # Checkpoint numbers far from those of the shared database, so the `ckpt-<n>` names these
 # tests load into the session's vLLM never collide with other tests' adapters.

@@ -20,8 +20,8 @@ from sqlalchemy import Engine, select
 from app.abtest.guardrails import FAMILY_ALPHA, GUARDRAILS, check_guardrails, confidence_sequence
 from app.config import Settings
 from app.db import session_scope
-from rtrl.embedded.stack import EmbeddedStack
 from app.models import AuditEntry, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
+from rtrl.embedded.stack import EmbeddedStack
 from tests.analytics.conftest import Behaviour, SeededArm
 from tests.conftest import fresh_worker_config
 from workers.consumer import run_worker

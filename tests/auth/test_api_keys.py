@@ -22,10 +22,10 @@ from app.auth.service import (
     create_api_key,
     hash_secret,
 )
-from rtrl.cli import cli
 from app.config import Settings
 from app.db import make_async_engine, session_scope
 from app.models import ApiKey, Role
+from rtrl.cli import cli
 
 
 def test_create_api_key_stores_only_the_hash_and_a_display_prefix(

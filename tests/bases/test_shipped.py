@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from sandbox.agent_runs import run_agents
 from sandbox.agent_tasks import agent_tasks
 from sandbox.bases import (
     DEFAULT_BASE,
@@ -23,8 +24,6 @@ from sandbox.bases import (
     shipped_base_dir,
     verify_base,
 )
-from sandbox.tasks import heldout_tasks
-from sandbox.agent_runs import run_agents
 from sandbox.bootstrap import (
     RECIPES,
     BootstrapConfig,
@@ -33,6 +32,7 @@ from sandbox.bootstrap import (
     evaluate,
     torch_threads,
 )
+from sandbox.tasks import heldout_tasks
 
 
 def recorded(name: str) -> tuple[dict, BootstrapConfig]:

@@ -16,8 +16,8 @@ import typer
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field, create_model
 
-from rtrl import reference
 from app.config import Settings
+from rtrl import reference
 from rtrl.reference import Page, stale_pages
 
 

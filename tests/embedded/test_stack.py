@@ -18,10 +18,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.kafka.admin import ensure_topics
+from app.models import Checkpoint, CheckpointStatus
 from app.processes import ServiceError, free_port
 from rtrl.embedded.redis import EmbeddedRedis
 from rtrl.embedded.stack import EmbeddedStack
-from app.models import Checkpoint, CheckpointStatus
 
 
 def test_postgres_holds_the_migrated_schema(db_session: Session) -> None:

@@ -12,13 +12,13 @@ from openai import OpenAI
 from redis.asyncio import Redis
 from sqlalchemy import Engine, select
 
+from app.abtest.assignment import hash_user
 from app.auth.service import hash_secret
 from app.db import session_scope
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
-from app.gateway.assignment import hash_user
 from app.gateway.trajectories import Trajectories, run_owner
 from app.models import ApiKey
+from rtrl.embedded.stack import EmbeddedStack
 
 TOOLS: list[dict[str, Any]] = [
     {

@@ -17,10 +17,7 @@ import redis
 from sqlalchemy import Engine, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.config import Settings
-from app.db import make_async_engine, session_scope
-from app.events import COMPLETIONS_TOPIC
-from app.gateway.assignment import (
+from app.abtest.assignment import (
     ArmRoute,
     ExperimentRoute,
     RoutingTable,
@@ -29,13 +26,16 @@ from app.gateway.assignment import (
     hash_user,
     load_routing_table,
 )
+from app.config import Settings
+from app.db import make_async_engine, session_scope
+from app.events import COMPLETIONS_TOPIC
 from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus
 from app.registry.audit import Actor, RegistryError
 from app.registry.buckets import ArmWeight, arm_ranges, check_layout
 from app.registry.experiments import create_experiment, ramp_experiment, stop_experiment
 from app.registry.routing import ROUTING_CHANNEL
 from app.registry.schemas import ExperimentCreate
-from app.serving.checkpoints import publish_checkpoint, retire_checkpoint
+from app.serving.publish import publish_checkpoint, retire_checkpoint
 from app.serving.vllm import VllmServer
 
 

@@ -16,11 +16,11 @@ from sqlalchemy import Engine, select
 
 from app.config import Settings
 from app.db import session_scope
-from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC, CompletionEvent
 from app.gateway.service import request_key
 from app.main import create_app
 from app.models import Checkpoint, CheckpointStatus
+from app.processes import free_port
 from workers.config import WorkerConfig
 from workers.store import sample_row, store_events
 

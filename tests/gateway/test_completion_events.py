@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from app.abtest.assignment import Assignment
 from app.events import CompletionEvent, decode_completion
-from app.gateway.assignment import Assignment
 from app.gateway.schemas import ChatRequest
 from app.gateway.service import (
     ChatCall,

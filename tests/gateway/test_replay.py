@@ -10,10 +10,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from rtrl.embedded.kafka import EmbeddedKafka
 from app.gateway.sink import EventSink
 from app.gateway.spool import DiskSpool, Envelope, Retention
-from app.gateway.spools import claim_spool
+from app.gateway.spool_dirs import claim_spool
+from rtrl.embedded.kafka import EmbeddedKafka
 from tests.gateway.conftest import read_topic
 
 TOPIC = "test.replay"

@@ -15,15 +15,15 @@ import httpx
 import orjson
 import pytest
 
-from app.kafka.admin import ensure_topics
-from rtrl.embedded.kafka import EmbeddedKafka
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC
 from app.gateway.metrics import EVENTS_SET_ASIDE
 from app.gateway.sink import SYNC_INTERVAL_S, EventSink
 from app.gateway.spool import DiskSpool, Envelope, Retention
-from app.gateway.spools import claim_spool, spool_directories
+from app.gateway.spool_dirs import claim_spool, spool_directories
+from app.kafka.admin import ensure_topics
+from app.processes import free_port
+from rtrl.embedded.kafka import EmbeddedKafka
+from rtrl.embedded.stack import EmbeddedStack
 from tests.gateway.conftest import read_topic
 
 

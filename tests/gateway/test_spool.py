@@ -13,7 +13,7 @@ import pytest
 
 from app.gateway import spool as spool_module
 from app.gateway.spool import DiskSpool, Envelope, Retention, SpoolLocked
-from app.gateway.spools import adopt_free_spools, claim_spool, spool_directories
+from app.gateway.spool_dirs import adopt_free_spools, claim_spool, spool_directories
 
 
 def envelopes(count: int, start: int = 0, topic: str = "t") -> list[Envelope]:

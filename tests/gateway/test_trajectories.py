@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from rtrl.embedded.stack import EmbeddedStack
 from app.gateway import trajectories
 from app.gateway.trajectories import MAX_PARENT_LOOKUPS, Trajectories, Turn, run_owner
+from rtrl.embedded.stack import EmbeddedStack
 
 OWNER = run_owner(uuid.uuid4(), "user-hash")
 

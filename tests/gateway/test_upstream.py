@@ -17,13 +17,13 @@ from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from app.config import Settings
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.service import CHAT_PATH, request_key
 from app.gateway.upstream import Upstream, UpstreamBusy
 from app.main import create_app
+from app.processes import free_port
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack
 from tests.gateway.conftest import KafkaTopics
 
 

@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import Engine
 
 from app.config import settings_environment
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.spool import Envelope
-from app.gateway.spools import spool_directories
-from rtrl.launcher import RtrlProcess
+from app.gateway.spool_dirs import spool_directories
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack
+from rtrl.launcher import RtrlProcess
 from tests.conftest import external_settings
 
 

@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import Engine, text
 
 from app.db import upgrade_schema
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import CompletionEvent
 from app.history.partitions import drop_partition, list_partitions
+from rtrl.embedded.stack import EmbeddedStack
 from tests.workers.conftest import Events
 from workers.config import WorkerConfig
 from workers.repository import make_worker_engine

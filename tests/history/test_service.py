@@ -10,10 +10,10 @@ from sqlalchemy import Engine, text
 
 from app.abtest.rollups import refresh_rollups
 from app.db import session_scope
-from rtrl.embedded.stack import EmbeddedStack
 from app.history.partitions import create_partitions, list_partitions
 from app.history.service import import_history, maintain
 from app.models import Checkpoint, CheckpointStatus
+from rtrl.embedded.stack import EmbeddedStack
 from tests.history.conftest import empty, fresh_database, served, store, table_rows
 from tests.workers.conftest import Events
 from workers.repository import make_worker_engine

@@ -9,9 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.config import Settings
+from app.main import create_app
 from app.processes import free_port
 from rtrl.embedded.stack import EmbeddedStack
-from app.main import create_app
 
 
 @pytest.fixture

@@ -21,12 +21,12 @@ from sqlalchemy import Engine
 from app.auth.service import new_api_key
 from app.config import Settings, settings_environment
 from app.db import session_scope
+from app.models import Role
 from app.processes import free_port
+from app.serving.publish import ensure_base_checkpoint
+from app.serving.vllm import VllmServer
 from rtrl.embedded.stack import EmbeddedStack
 from rtrl.launcher import RtrlProcess
-from app.models import Role
-from app.serving.checkpoints import ensure_base_checkpoint
-from app.serving.vllm import VllmServer
 from sandbox.simulator.books import Books, read_books
 from sandbox.simulator.report import SimulationReport
 from sandbox.simulator.run import simulate

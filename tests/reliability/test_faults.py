@@ -20,7 +20,7 @@ from app.gateway.upstream import SERVED_MODELS_TTL_S
 from app.models import Checkpoint, Experiment, Role, Sample, TrainingRun, TrainingRunStatus
 from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
-from app.serving.checkpoints import publish_checkpoint, reconcile
+from app.serving.publish import publish_checkpoint, reconcile
 from app.serving.replicas import served_adapters
 from app.serving.vllm import VllmServer
 from tests.reliability.conftest import Loop, kill, make_key, wait_until

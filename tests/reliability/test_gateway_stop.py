@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from app.gateway.spool import DiskSpool
-from app.gateway.spools import spool_directories
+from app.gateway.spool_dirs import spool_directories
 from tests.reliability.conftest import Loop, wait_until
 
 pytestmark = pytest.mark.slow

@@ -29,9 +29,9 @@ from sqlalchemy import Engine, func, select, text
 from app.auth.service import new_api_key
 from app.db import session_scope
 from app.kafka.admin import DEFAULT_TOPICS
-from rtrl.embedded.stack import EmbeddedStack
 from app.models import ApiKey, Role, Sample
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack
 from tests.reliability.conftest import Loop, make_key, open_loop
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import Engine, select
 
 from app.db import session_scope
-from app.processes import free_port
 from app.models import Checkpoint, CheckpointStatus
-from app.serving.checkpoints import (
+from app.processes import free_port
+from app.serving.publish import (
     PublishError,
     ensure_base_checkpoint,
     publish_checkpoint,

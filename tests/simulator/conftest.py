@@ -18,12 +18,12 @@ from sqlalchemy import Engine
 from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import session_scope
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.main import create_app
 from app.models import Role
-from app.serving.checkpoints import ensure_base_checkpoint
+from app.processes import free_port
+from app.serving.publish import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack
 
 
 @pytest.fixture(scope="module")

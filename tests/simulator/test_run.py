@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from app.processes import free_port
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.models import ApiKey
+from app.processes import free_port
 from sandbox.simulator import ClientConfig, SimulationReport, Workload, make_population, simulate
 
 SEED = 2

@@ -15,11 +15,11 @@ from sqlalchemy import Engine, delete, select
 
 from app.config import Settings, settings_environment
 from app.db import session_scope
-from rtrl.embedded.stack import EmbeddedStack
-from rtrl.launcher import RtrlProcess
 from app.models import ControlFlag, Reward, Sample, TrainingRun, TrainingSchedule
 from app.registry.schedule import next_cycle_at
 from app.signals.rewards import RewardComponents
+from rtrl.embedded.stack import EmbeddedStack
+from rtrl.launcher import RtrlProcess
 
 KEPT = RewardComponents(
     edit_requested=True,

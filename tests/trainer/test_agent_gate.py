@@ -14,9 +14,6 @@ import pytest
 import scipy.stats
 from transformers import PreTrainedTokenizerFast
 
-from sandbox.agent_tasks import Workspace, agent_task
-from sandbox.tasks import train_tasks
-from tests.conftest import fine_tune_toward_malformed_calls
 from sandbox.agent_runs import (
     AgentRun,
     AgentTaskHeldOut,
@@ -25,6 +22,9 @@ from sandbox.agent_runs import (
     load_policy,
     take_turn,
 )
+from sandbox.agent_tasks import Workspace, agent_task
+from sandbox.tasks import train_tasks
+from tests.conftest import fine_tune_toward_malformed_calls
 
 
 def a_run() -> AgentRun:

@@ -9,7 +9,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sandbox.agent_tasks import TOOLS, agent_tasks, reference_messages
 from sandbox.bases import verify_base
-from sandbox.tasks import extract_code, heldout_tasks
 from sandbox.bootstrap import (
     BootstrapConfig,
     BootstrapReport,
@@ -17,6 +16,7 @@ from sandbox.bootstrap import (
     bootstrap_model,
     encode_example,
 )
+from sandbox.tasks import extract_code, heldout_tasks
 
 SAVED_FILES = (
     "config.json",

@@ -32,6 +32,7 @@ from app.serving.replicas import load_adapter, unload_adapter
 from app.serving.sampling import ServedCompletion, sample_completions
 from app.serving.vllm import VllmServer
 from app.signals.rewards import RewardComponents
+from sandbox.task_family import task_family_held_out
 from sandbox.tasks import Task, check_solution, extract_code, train_tasks
 from trainer import cycle as cycle_module
 from trainer.config import TrainConfig
@@ -39,7 +40,6 @@ from trainer.cycle import CycleResult, run_cycle
 from trainer.drift import DEFAULT_DRIFT_LIMITS
 from trainer.generation import prompt_ids
 from trainer.lock import CycleBusy, trainer_lock
-from sandbox.task_family import task_family_held_out
 
 Served = list[tuple[Task, ServedCompletion]]
 

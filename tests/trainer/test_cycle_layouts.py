@@ -20,6 +20,7 @@ from app.db import session_scope
 from app.models import Reward, Sample, TrainingRun, TrainingRunStatus
 from app.serving.sampling import ServedCompletion, sample_completions
 from app.serving.vllm import VllmServer
+from sandbox.task_family import task_family_held_out
 from sandbox.tasks import train_tasks
 from tests.trainer.conftest import KEPT
 from trainer.config import TrainConfig
@@ -28,7 +29,6 @@ from trainer.data import TrainingSample
 from trainer.drift import measure_drift
 from trainer.generation import prompt_ids
 from trainer.policy import load_trainable_policy
-from sandbox.task_family import task_family_held_out
 from trainer.update import sharded_logprobs
 
 RUNS, TURNS, EDITED_RUN, EDITED_TURN = 24, 3, 0, 2

@@ -5,8 +5,8 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
+from app.abtest.assignment import Assignment
 from app.db import session_scope
-from app.gateway.assignment import Assignment
 from app.gateway.service import completion_event
 from app.gateway.trajectories import Placement
 from app.history.erasure import erase_in_database, user_history

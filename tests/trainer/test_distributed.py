@@ -25,10 +25,10 @@ from app.models import Checkpoint, CycleTrigger, TrainingRun, TrainingRunStatus
 from app.registry.audit import Actor
 from app.registry.flags import request_training_cycle
 from app.serving.vllm import VllmServer
+from rtrl.gates import held_out_for
 from tests.trainer.test_cycle import Served, base_served, record, registry, settings_for, solves
 from trainer.config import train_config_from_env
 from trainer.cycle import run_cycle
-from rtrl.gates import held_out_for
 
 __all__ = ["base_served", "registry"]  # fixtures shared with test_cycle
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from sandbox.agent_tasks import agent_tasks
-from trainer.evaluate import gate
 from sandbox.task_family import EVAL_SEED, reference_turns
+from trainer.evaluate import gate
 
 
 def test_the_agent_turns_are_tool_calls_and_final_answers_with_the_tools_declared(

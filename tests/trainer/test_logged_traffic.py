@@ -10,6 +10,8 @@ from sqlalchemy import Engine, func, select
 from app.db import session_scope
 from app.models import Sample, TrainingRun, TrainingRunStatus
 from app.serving.vllm import VllmServer
+from rtrl.gates import held_out_for
+from sandbox.task_family import TaskFamilyHeldOut
 from tests.trainer.test_cycle import (
     Served,
     base_served,
@@ -20,9 +22,7 @@ from tests.trainer.test_cycle import (
     solves,
 )
 from trainer.cycle import run_cycle
-from rtrl.gates import held_out_for
 from trainer.logged_traffic import LoggedTrafficHeldOut, pairs_passed
-from sandbox.task_family import TaskFamilyHeldOut
 
 __all__ = ["base_served", "registry"]  # fixtures shared with test_cycle
 

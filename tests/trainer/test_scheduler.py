@@ -13,8 +13,6 @@ from sqlalchemy import Engine, delete, select, update
 
 from app.config import Settings
 from app.db import session_scope
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
 from app.models import (
     Checkpoint,
     ControlFlag,
@@ -23,9 +21,12 @@ from app.models import (
     TrainingRunStatus,
     TrainingSchedule,
 )
+from app.processes import free_port
 from app.registry.audit import Actor
 from app.registry.flags import TRAINING_PAUSED, request_training_cycle, set_flag
 from app.registry.schedule import claim_cycle
+from rtrl.embedded.stack import EmbeddedStack
+from sandbox.task_family import task_family_held_out
 from tests.trainer.conftest import (
     StartTrainers,
     first_due,
@@ -37,7 +38,6 @@ from tests.trainer.conftest import (
 from trainer.config import TrainConfig
 from trainer.cycle import run_cycle, skip_reason
 from trainer.data import OnPolicyBatch, TrainingSample
-from sandbox.task_family import task_family_held_out
 
 OPS = Actor("ops")
 TRAINER = Actor("trainer")

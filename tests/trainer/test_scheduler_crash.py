@@ -15,10 +15,10 @@ from sqlalchemy import Engine, text
 from transformers import PreTrainedTokenizerFast
 
 from app.db import session_scope
-from rtrl.embedded.stack import EmbeddedStack
 from app.models import CycleTrigger, TrainingRunStatus
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
+from rtrl.embedded.stack import EmbeddedStack
 from sandbox.tasks import train_tasks
 from tests.trainer.conftest import (
     StartTrainers,

@@ -15,7 +15,6 @@ from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import Connection, Engine, select
 
 from app.config import Settings, get_settings
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import (
     CompletionEvent,
     DeadLetter,
@@ -27,6 +26,7 @@ from app.events import (
     encode,
 )
 from app.signals.rewards import Feedback
+from rtrl.embedded.stack import EmbeddedStack
 from tests.conftest import fresh_worker_config
 from workers.config import WorkerConfig
 from workers.consumer import run_worker

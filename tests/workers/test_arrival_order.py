@@ -22,7 +22,6 @@ from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import Engine, func, select
 
 from app.config import Settings
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import (
     CompletionEvent,
     EditAccepted,
@@ -33,6 +32,7 @@ from app.events import (
     encode,
 )
 from app.signals.rewards import Feedback, distil_components, finalize_reason, run_rewards
+from rtrl.embedded.stack import EmbeddedStack
 from tests.conftest import fresh_worker_config
 from workers.config import WorkerConfig
 from workers.consumer import consume_batch, make_consumer, make_producer

@@ -17,10 +17,10 @@ from sqlalchemy import Engine, func, select
 
 from app.config import get_settings
 from app.db import PROJECT_ROOT
-from rtrl.embedded.kafka import EmbeddedKafka
-from app.processes import free_port
 from app.events import CompletionEvent, encode
+from app.processes import free_port
 from app.signals.rewards import distil_components
+from rtrl.embedded.kafka import EmbeddedKafka
 from tests.workers.conftest import publisher, read_dead_letters
 from workers.config import WorkerConfig
 from workers.consumer import decode_batch

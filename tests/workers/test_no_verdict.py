@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from app.gateway.assignment import Assignment
+from app.abtest.assignment import Assignment
 from app.gateway.schemas import ChatRequest
 from app.gateway.service import ChatCall, CompletionRecord, completion_event
 from app.signals.rewards import reward_weights

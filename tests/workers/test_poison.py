@@ -15,8 +15,8 @@ import pytest
 from kafka import KafkaProducer
 from sqlalchemy import Engine, text
 
-from rtrl.embedded.stack import EmbeddedStack
 from app.events import encode
+from rtrl.embedded.stack import EmbeddedStack
 from tests.workers.conftest import publisher, read_dead_letters
 from workers.config import WorkerConfig
 

@@ -11,10 +11,10 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from prometheus_client import REGISTRY
 
-from rtrl.embedded.kafka import EmbeddedKafka
-from app.processes import free_port
 from app.kafka.clients import kafka_client
 from app.kafka.topic_ids import TopicIds
+from app.processes import free_port
+from rtrl.embedded.kafka import EmbeddedKafka
 from workers.topics import RecreatedTopics
 
 TOPIC = "rtrl.test.recreated"

@@ -18,7 +18,7 @@ import orjson
 from prometheus_client import Counter
 from redis.asyncio import Redis
 
-from app.adapters.schemas import ContinueEventOutcome, ContinueOutcome
+from app.client_events.schemas import ContinueEventOutcome, ContinueOutcome
 from app.feedback.service import accept_feedback
 from app.gateway.joins import request_of_answer, request_of_tool_call
 from app.gateway.service import Served, request_key

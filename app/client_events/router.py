@@ -23,11 +23,11 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from app.adapters.schemas import ContinueEnvelope, ContinueEventOutcome
-from app.adapters.service import Owner, accept_continue_event
+from app.abtest.assignment import hash_user
 from app.auth.schemas import Principal
+from app.client_events.schemas import ContinueEnvelope, ContinueEventOutcome
+from app.client_events.service import Owner, accept_continue_event
 from app.config import Settings
-from app.gateway.assignment import hash_user
 from app.gateway.trajectories import run_owner
 from app.http.dependencies import require_role
 from app.http.errors import ApiError

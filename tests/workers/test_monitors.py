@@ -357,7 +357,7 @@ def test_equal_checkpoints_seldom_alert_and_a_hacked_one_nearly_always_does() ->
     assert alerts / trials < 0.05
     assert point_estimate_alerts / trials > 0.2
 
-    # The reward-hacking test's canary (tests/test_demo.py): 38% of its tool-calling
+    # The reward-hacking test's canary (tests/rtrl/test_demo.py): 38% of its tool-calling
     # answers malformed against control's 20%, 48 developers an arm with about 11 answers
     # each, at the default threshold (caught in 99% of 1,000 such runs; 93% at 32 an arm).
     caught = alerting(rng, (48, 0.38, (8, 14)), (48, 0.20, (8, 14)), threshold, 200)

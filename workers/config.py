@@ -59,8 +59,8 @@ class WorkerConfig:
     guardrail_interval_s: float | None = None
     """Seconds between guardrail checks that roll back harmful canaries; None: never."""
     topic_check_interval_s: float | None = 5.0
-    """Seconds between checks that the topics read are the logs they were (`workers.topics`:
-    a re-created topic is read again from its start); None: never."""
+    """Seconds between checks that the topics read are the logs they were
+    (`workers.recreated_topics`: a re-created topic is read again from its start); None: never."""
 
     @property
     def horizon_s(self) -> float:

@@ -46,6 +46,7 @@ from workers.metrics import (
     REWARDS_SWEPT,
 )
 from workers.monitors import check_running_experiments
+from workers.recreated_topics import RecreatedTopics
 from workers.repository import (
     feedback_events,
     lock_partitions,
@@ -55,7 +56,6 @@ from workers.repository import (
 )
 from workers.store import feedback_row, sample_row, store_events
 from workers.sweep import finalize_due_rewards, overdue_seconds
-from workers.topics import RecreatedTopics
 from workers.watermarks import StreamWatermarks
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from app.kafka.clients import kafka_client
 from app.kafka.topic_ids import TopicIds
 from app.processes import free_port
 from rtrl.embedded.kafka import EmbeddedKafka
-from workers.topics import RecreatedTopics
+from workers.recreated_topics import RecreatedTopics
 
 TOPIC = "rtrl.test.recreated"
 

@@ -110,8 +110,38 @@ def _check_schema(parameters: dict[str, Any]) -> CheckedSchema:
         cls.check_schema(parameters)
     except SchemaError as exc:
         return CheckedSchema(f"not a valid JSON Schema: {exc.message}", None)
-    validator: Validator = cls(parameters)
+    validator: Validator = cls(without_patterns(parameters))
     return CheckedSchema(None, validator)
+
+
+# Keywords whose value is one subschema, a list of them, or a map of names to them.
+_SUBSCHEMA = ("additionalProperties", "additionalItems", "contains", "else", "if", "items")
+_SUBSCHEMA += ("not", "propertyNames", "then", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("$defs", "definitions", "dependentSchemas", "properties")
+
+
+def without_patterns(schema: Any) -> Any:
+    """`schema` with no client regex left in it: the validator of a tool's arguments never runs
+    one. jsonschema matches `pattern` and `patternProperties` with Python's backtracking `re`,
+    on what the model wrote, on the event loop: `^(\\w+\\s?)*$` against a sentence never
+    returns. Leaving them out only ever accepts more, so a call is never counted malformed for
+    a pattern; where `patternProperties` went, so do the `additionalProperties` and
+    `unevaluatedProperties` beside it, which would otherwise refuse the names it matched."""
+    if not isinstance(schema, dict):
+        return schema
+    kept = {key: value for key, value in schema.items() if key != "pattern"}
+    if kept.pop("patternProperties", None) is not None:
+        kept.pop("additionalProperties", None)
+        kept.pop("unevaluatedProperties", None)
+    for key, value in kept.items():
+        if key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            kept[key] = [without_patterns(item) for item in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            kept[key] = {name: without_patterns(item) for name, item in value.items()}
+        elif key in _SUBSCHEMA:
+            kept[key] = without_patterns(value)
+    return kept
 
 
 class CheckedParameters(dict[str, Any]):

@@ -88,7 +88,11 @@ TOOL_OUTPUT_RULES: tuple[Rule, ...] = tuple(
         ),
         (
             "stack_frame",
-            r"^[ \t]+at [\w.$<>\[\] ]*\(?[^\s()]+:\d+(?::\d+)?\)?\s*$|^[ \t]*[\w./-]+:\d+:in [`']",
+            # The frame's name, when there is one, ends at the space or parenthesis before
+            # its location, so the name and the location never compete for the same
+            # characters: a long line is tried once, not once per split of it.
+            r"^[ \t]+at (?:[\w.$<>\[\] ]*[ (])?[^\s()]+:\d+(?::\d+)?\)?\s*$"
+            r"|^[ \t]*[\w./-]+:\d+:in [`']",
         ),
         (
             "compiler_error",

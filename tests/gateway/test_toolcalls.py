@@ -158,3 +158,23 @@ def test_a_schema_too_large_to_keep_is_still_judged_and_used() -> None:
     assert schemas.check([call("edit_file", '{"field_8": "a"}')]).malformed == 1
     with pytest.raises(ValidationError, match="not a valid JSON Schema"):
         declaring(large | {"required": "field_7"})
+
+
+@pytest.mark.timeout(10)
+def test_a_client_pattern_never_runs_on_what_the_model_wrote() -> None:
+    # Python's `re` takes 0.5 s for `^(\w+\s?)*$` against 22 word characters and one that does
+    # not match, three times longer for every two more: a path of 40 would never return, and
+    # the gateway's event loop (its /healthz too) with it.
+    schema = {
+        "type": "object",
+        "properties": {"path": {"type": "string", "pattern": r"^(\w+\s?)*$"}},
+        "patternProperties": {r"^(a+)+$": {"type": "integer"}},
+        "additionalProperties": False,
+        "required": ["path"],
+    }
+    tools = ToolSchemas(declaring(schema).tools)
+    hostile = orjson.dumps({"path": "a" * 40 + "!", "a" * 40 + "!": 1}).decode()
+    assert tools.check([call("edit_file", hostile)]).malformed == 0
+    # What the schema says besides its patterns is still checked.
+    assert tools.check([call("edit_file", '{"line": 3}')]).malformed == 1
+    assert tools.check([call("edit_file", '{"path": 3}')]).malformed == 1

@@ -123,3 +123,14 @@ def test_a_hostile_follow_up_is_classified_in_linear_time(name: str) -> None:
     # minute); linear rules take tens of milliseconds. The limit only catches a hang.
     assert not is_dissatisfied(HOSTILE_FOLLOWUPS[name])
     assert is_dissatisfied(HOSTILE_FOLLOWUPS[name] + "\nTraceback (most recent call last):")
+
+
+@pytest.mark.timeout(10)
+def test_a_message_that_opens_like_a_stack_frame_is_read_in_linear_time() -> None:
+    # `" at " + 15,996 letters` took ~1 s a message when a frame's name and location could
+    # split the line anywhere; sixty of them in one feedback POST held a gateway ~51 s.
+    frame_like = " at " + "a" * 15_996
+    for _ in range(20):
+        assert not is_dissatisfied(frame_like)
+    frames = "    at com.acme.Calc.add(Calc.java:42)\n    at Object.<anonymous> (/src/calc.js:10:5)"
+    assert any(line.startswith("stack_frame") for line in explain(frames))

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import scipy.stats
 
-from app.config import Settings
 from app.db import make_engine
-from app.processes import free_port
+from bench._stack import scratch_settings
 from rtrl.demo import (
     DemoConfig,
     Ops,
@@ -54,14 +53,7 @@ def main() -> None:
 
     started = time.monotonic()
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="rtrl-agent-learning-"))
-    settings = Settings(
-        data_dir=data_dir,
-        embedded_postgres_port=free_port(),
-        embedded_kafka_port=free_port(),
-        embedded_redis_port=free_port(),
-        embedded_vllm_port=free_port(),
-        gateway_port=free_port(),
-    )
+    settings = scratch_settings(data_dir)
     config = DemoConfig(
         cycles=args.cycles,
         train_users=args.users,

@@ -43,8 +43,7 @@ from app.config import Settings
 from app.db import make_async_engine, make_engine, session_scope
 from app.main import create_app
 from app.models import Arm, Checkpoint, CheckpointStatus, Experiment, ExperimentStatus, Role
-from app.processes import free_port
-from rtrl.embedded.stack import EmbeddedStack
+from bench._stack import scratch_stack
 
 SAMPLE_COLUMNS = (
     "id, event_id, request_id, session_id, user_hash, checkpoint, experiment_id, arm, "
@@ -255,9 +254,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-") as tmp:
-        stack = EmbeddedStack.at(
-            Path(tmp), postgres_port=free_port(), kafka_port=free_port(), redis_port=free_port()
-        )
+        stack = scratch_stack(Path(tmp))
         stack.up()
         try:
             url = stack.postgres.url

@@ -71,6 +71,7 @@ from app.models import Checkpoint, CheckpointStatus, Role
 from app.processes import free_port, wait_for_port
 from app.registry.experiments import start_canary
 from app.serving.publish import ensure_base_checkpoint
+from bench._stack import scratch_stack
 from rtrl.embedded.stack import EmbeddedStack
 
 CHECKPOINTS = ("base", "ckpt-1")
@@ -1216,9 +1217,7 @@ def main() -> None:
         f"working in {root}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    stack = EmbeddedStack.at(
-        root, postgres_port=free_port(), kafka_port=free_port(), redis_port=free_port()
-    )
+    stack = scratch_stack(root)
     processes: list[subprocess.Popen[bytes]] = []
     try:
         stack.up()

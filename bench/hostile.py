@@ -55,13 +55,12 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
 from app.auth.service import new_api_key
-from app.config import Settings
 from app.db import make_engine, session_scope
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 from app.kafka.admin import DEFAULT_TOPICS
 from app.kafka.clients import kafka_client
 from app.models import Role
-from app.processes import free_port
+from bench._stack import scratch_settings
 from rtrl.launcher import FullStack
 
 # `WorkerConfig.group_id`, the group `rtrl worker` joins. Not imported: run as a file, this
@@ -435,14 +434,7 @@ def main() -> None:
 
     started = time.monotonic()
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="rtrl-hostile-"))
-    settings = Settings(
-        data_dir=data_dir,
-        embedded_postgres_port=free_port(),
-        embedded_kafka_port=free_port(),
-        embedded_redis_port=free_port(),
-        embedded_vllm_port=free_port(),
-        gateway_port=free_port(),
-    )
+    settings = scratch_settings(data_dir)
     print(f"hostile: data in {data_dir}; starting the stack ...", flush=True)
     stack = FullStack.from_settings(
         settings, workers=1, trainer=False, progress=lambda line: print(line, flush=True)

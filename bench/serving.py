@@ -33,11 +33,10 @@ from sqlalchemy import Engine
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
-from app.db import make_engine, session_scope, upgrade_schema
 from app.processes import free_port
-from app.serving.publish import BASE_CHECKPOINT, ensure_base_checkpoint, publish_checkpoint
+from app.serving.publish import BASE_CHECKPOINT, publish_checkpoint
 from app.serving.vllm import VllmServer, vllm_device
-from rtrl.embedded.stack import EmbeddedStack
+from bench._stack import registry_with_base, scratch_stack
 from sandbox.bases import DEFAULT_BASE, shipped_base_dir, verify_base
 from sandbox.tasks import train_tasks
 from trainer.config import TrainConfig
@@ -183,17 +182,11 @@ def bench(args: argparse.Namespace, scratch: Path) -> None:
     tasks = train_tasks(seed=3, n=args.requests)
     prompts = [prompt_ids(tokenizer, task.request) for task in tasks]
 
-    stack = EmbeddedStack.at(
-        scratch, postgres_port=free_port(), kafka_port=free_port(), redis_port=free_port()
-    )
+    stack = scratch_stack(scratch)
     server = VllmServer(model_dir=model_dir, port=free_port(), root=scratch / "vllm")
     engine = None
     try:
-        stack.postgres.start()
-        upgrade_schema(stack.postgres.url)
-        engine = make_engine(stack.postgres.url)
-        with session_scope(engine) as session:
-            ensure_base_checkpoint(session, str(model_dir))
+        engine = registry_with_base(stack, model_dir)
 
         started = time.perf_counter()
         server.start(timeout=600)

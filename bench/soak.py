@@ -28,7 +28,8 @@ from app.auth.service import new_api_key
 from app.config import Settings
 from app.db import make_engine, session_scope
 from app.models import FeedbackEventRow, Reward, Role, Sample
-from app.processes import free_port, process_tree
+from app.processes import process_tree
+from bench._stack import scratch_settings
 from rtrl.launcher import FullStack
 from sandbox.simulator.books import read_books
 from sandbox.simulator.report import SimulationReport
@@ -117,15 +118,7 @@ def main() -> None:
 
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="rtrl-soak-"))
     overrides = {"base_model": args.base_model} if args.base_model else {}
-    settings = Settings(
-        data_dir=data_dir,
-        embedded_postgres_port=free_port(),
-        embedded_kafka_port=free_port(),
-        embedded_redis_port=free_port(),
-        embedded_vllm_port=free_port(),
-        gateway_port=free_port(),
-        **overrides,
-    )
+    settings = scratch_settings(data_dir, **overrides)
     stack = FullStack.from_settings(settings, workers=args.workers, trainer=False)
     print(f"soak: data in {data_dir}; starting the stack ...")
     stack.up()

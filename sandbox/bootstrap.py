@@ -168,13 +168,9 @@ class BootstrapConfig:
     reward-hacking scenario's).
 
     The mechanics of an agent run (copying the file's path from the request and the text to
-    replace from the file) come late in pretraining, and when varies from build to build: with
-    the same seed and code, an AVX2 machine built a base that solved 48% of held-out runs at
-    1,000 steps and an AVX-512 machine one that solved 8.5% (its floating-point kernels
-    round differently, and training amplifies the difference), which the demo's two cycles
-    could not lift to a significant gain; seed 2 on the AVX-512 machine solved 43.5%, and
-    seed 1 trained for 1,500 steps 54.5%. A base that passes at `train_steps` is exactly what
-    it was without the check."""
+    replace from the file) come late in pretraining, and when varies from build to build and
+    machine to machine (the measured builds are in docs/results/agent-demo.md). A base that
+    passes at `train_steps` is exactly what it was without the check."""
     check_runs: int = 128
     """Validation agent runs of the check above."""
     extra_steps: int = 250
@@ -587,97 +583,120 @@ def pretrain(
     `advance(1)` after each optimizer step; `extend(n)` when the check adds n steps."""
     input_ids, attention_mask, labels = encode_corpus(tokenizer, corpus)
     generator = torch.Generator().manual_seed(config.seed)
-    lengths = attention_mask.sum(dim=1)
+    batches = length_grouped_batches(attention_mask.sum(dim=1), config.batch_size, generator)
+    # The loss is divided by the corpus' mean labelled tokens per batch, not each batch's
+    # count: batches of similar lengths differ in size, and a per-batch mean would weigh the
+    # tokens of short examples (questions, one-turn answers) several times over.
     tokens_per_batch = float((labels[:, 1:] != -100).sum()) / len(corpus) * config.batch_size
-
-    def batches() -> Iterator[torch.Tensor]:
-        # Batches of similar lengths (one-turn answers are short, agent runs long), so
-        # little of each batch is padding; the batches themselves come in random order.
-        while True:
-            order = torch.randperm(len(corpus), generator=generator)
-            pool = [
-                chunk[torch.argsort(lengths[chunk], stable=True)]
-                for chunk in order.split(config.batch_size * 16)
-            ]
-            grouped = [batch for chunk in pool for batch in chunk.split(config.batch_size)]
-            for index in torch.randperm(len(grouped), generator=generator).tolist():
-                yield grouped[index]
-
-    batch_stream = batches()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
     )
+    checked = config.min_agent_solved > 0
+    check = agent_tasks(config.seed + 1, config.check_runs, "train") if checked else []
     recent_losses: list[float] = []
-
-    def train(first: int, last: int) -> None:
-        """Optimizer steps `first` up to `last` (exclusive); past `train_steps` the rate
-        stays at the schedule's last."""
-        model.train()
-        for step in range(first, last):
-            batch = next(batch_stream)
-            # Trim the padding columns no row in this batch uses.
-            width = int(attention_mask[batch].sum(dim=1).max())
-            rate = learning_rate_at(min(step, config.train_steps - 1), config)
-            for group in optimizer.param_groups:
-                group["lr"] = rate
-            logits = model(
-                input_ids=input_ids[batch, :width], attention_mask=attention_mask[batch, :width]
-            ).logits
-            targets = labels[batch, 1:width]
-            token_losses = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]),
-                targets.reshape(-1),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            # Divided by the corpus' mean labelled tokens per batch, not this batch's count:
-            # batches of similar lengths differ in size, and a per-batch mean would weigh the
-            # tokens of short examples (questions, one-turn answers) several times over.
-            loss = token_losses / tokens_per_batch
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            advance(1)
-            mean_loss = token_losses.item() / max(int((targets != -100).sum()), 1)
-            recent_losses[:] = [*recent_losses[-(config.log_every - 1) :], mean_loss]
-            if (step + 1) % config.log_every == 0 or step + 1 == last:
-                logger.info(
-                    "bootstrap step %d/%d loss %.4f lr %.2e elapsed %.0fs",
-                    step + 1,
-                    last,
-                    sum(recent_losses) / len(recent_losses),
-                    rate,
-                    time.monotonic() - started,
-                )
-        model.eval()
-
-    steps = config.train_steps
-    train(0, steps)
-    solved = None
-    if config.min_agent_solved > 0:
-        check = agent_tasks(config.seed + 1, config.check_runs, "train")
-        while True:
+    step, last = 0, config.train_steps
+    solved: float | None = None
+    model.train()
+    while True:
+        if step == last:
+            model.eval()
+            if not checked:
+                break
             runs = run_agents(model, tokenizer, check, seed=config.seed)
             solved = _share([run.solved for run in runs])
-            enough = solved >= config.min_agent_solved
-            room = steps + config.extra_steps <= config.train_steps + config.max_extra_steps
-            logger.info(
-                "bootstrap: %.0f%% of %d validation agent runs solved after %d steps (%s %.0f%%)%s",
-                100 * solved,
-                len(runs),
-                steps,
-                "at least" if enough else "below",
-                100 * config.min_agent_solved,
-                "" if enough or not room else f"; {config.extra_steps} more steps",
-            )
-            if enough or not room:
+            if not check_adds_steps(solved, len(runs), step, config):
                 break
             extend(config.extra_steps)
-            train(steps, steps + config.extra_steps)
-            steps += config.extra_steps
+            last += config.extra_steps
+            model.train()
+        # Past `train_steps` the rate stays at the schedule's last.
+        rate = learning_rate_at(min(step, config.train_steps - 1), config)
+        batch = next(batches)
+        mean_loss = train_step(
+            model, optimizer, batch, input_ids, attention_mask, labels, rate, tokens_per_batch
+        )
+        advance(1)
+        recent_losses = [*recent_losses[-(config.log_every - 1) :], mean_loss]
+        step += 1
+        if step % config.log_every == 0 or step == last:
+            logger.info(
+                "bootstrap step %d/%d loss %.4f lr %.2e elapsed %.0fs",
+                step,
+                last,
+                sum(recent_losses) / len(recent_losses),
+                rate,
+                time.monotonic() - started,
+            )
     loss = sum(recent_losses) / len(recent_losses) if recent_losses else math.nan
-    return loss, steps, solved
+    return loss, step, solved
+
+
+def length_grouped_batches(
+    lengths: torch.Tensor, batch_size: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """Endless batches of row indices, each of rows of similar lengths (one-turn answers are
+    short, agent runs long), so little of each batch is padding; the batches themselves come
+    in random order, a fresh one each pass over the corpus."""
+    while True:
+        order = torch.randperm(len(lengths), generator=generator)
+        pool = [
+            chunk[torch.argsort(lengths[chunk], stable=True)]
+            for chunk in order.split(batch_size * 16)
+        ]
+        grouped = [batch for chunk in pool for batch in chunk.split(batch_size)]
+        for index in torch.randperm(len(grouped), generator=generator).tolist():
+            yield grouped[index]
+
+
+def train_step(
+    model: LlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    rate: float,
+    tokens_per_batch: float,
+) -> float:
+    """One optimizer step on the rows `batch` at learning rate `rate`, the summed token loss
+    divided by `tokens_per_batch`; the batch's mean loss per labelled token."""
+    # Trim the padding columns no row in this batch uses.
+    width = int(attention_mask[batch].sum(dim=1).max())
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    logits = model(
+        input_ids=input_ids[batch, :width], attention_mask=attention_mask[batch, :width]
+    ).logits
+    targets = labels[batch, 1:width]
+    token_losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    loss = token_losses / tokens_per_batch
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return token_losses.item() / max(int((targets != -100).sum()), 1)
+
+
+def check_adds_steps(solved: float, runs: int, steps: int, config: BootstrapConfig) -> bool:
+    """Whether the agent-run check, `solved` of its `runs` after `steps`, adds
+    `extra_steps`: below `min_agent_solved` with room left under `max_extra_steps`."""
+    enough = solved >= config.min_agent_solved
+    room = steps + config.extra_steps <= config.train_steps + config.max_extra_steps
+    logger.info(
+        "bootstrap: %.0f%% of %d validation agent runs solved after %d steps (%s %.0f%%)%s",
+        100 * solved,
+        runs,
+        steps,
+        "at least" if enough else "below",
+        100 * config.min_agent_solved,
+        "" if enough or not room else f"; {config.extra_steps} more steps",
+    )
+    return not enough and room
 
 
 # --- held-out evaluation --------------------------------------------------------------

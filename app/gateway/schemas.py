@@ -115,8 +115,12 @@ def _check_schema(parameters: dict[str, Any]) -> CheckedSchema:
 
 
 # Keywords whose value is one subschema, a list of them, or a map of names to them.
-_SUBSCHEMA = ("additionalProperties", "additionalItems", "contains", "else", "if", "items")
-_SUBSCHEMA += ("not", "propertyNames", "then", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA = frozenset(
+    {
+        "additionalProperties", "additionalItems", "contains", "else", "if", "items", "not",
+        "propertyNames", "then", "unevaluatedItems", "unevaluatedProperties",
+    }
+)  # fmt: skip
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("$defs", "definitions", "dependentSchemas", "properties")
 

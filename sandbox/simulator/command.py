@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import typer
 
 from app.config import get_settings
@@ -9,7 +11,7 @@ from app.db import make_engine
 from sandbox.simulator.books import read_final_books
 from sandbox.simulator.clients import CLIENT_MODES, ClientConfig
 from sandbox.simulator.report import SimulationReport
-from sandbox.simulator.run import simulate
+from sandbox.simulator.run import Workload, run_simulation
 from sandbox.tasks import Split
 
 SPLITS: tuple[Split, ...] = ("train", "heldout", "all")
@@ -73,27 +75,11 @@ def simulate_command(
     ),
 ) -> None:
     """Run synthetic developers against the gateway and print what each checkpoint earned."""
-    if split not in SPLITS:
-        raise typer.BadParameter("must be train, heldout or all", param_hint="--split")
-    if client not in CLIENT_MODES:
-        raise typer.BadParameter(f"must be {', '.join(CLIENT_MODES)}", param_hint="--client")
-    if ide_closes and client != "ideal":
-        raise typer.BadParameter(
-            "only the ideal client reports survival windows", param_hint="--ide-closes"
-        )
+    tasks_split, ide = checked_split(split), checked_client(client, ide_closes)
     settings = get_settings()
     url = gateway or f"http://{settings.gateway_host}:{settings.gateway_port}"
     typer.echo(f"simulating {users} developers against {url} ...")
-
-    def progress(report: SimulationReport) -> None:
-        typer.echo(
-            f"  {report.sessions_ended} sessions ended, {report.requests_ok}/"
-            f"{report.requests_sent} requests answered"
-        )
-
-    report = simulate(
-        url,
-        api_key,
+    workload = Workload(
         users=users,
         sessions_per_user=sessions,
         duration_s=duration,
@@ -101,19 +87,51 @@ def simulate_command(
         tasks_per_session=tasks,
         time_scale=time_scale,
         seed=seed,
-        split=split,
+        split=tasks_split,
         concurrency=concurrency,
         agent=agent,
-        client=ClientConfig(mode=client, ide_closes_share=ide_closes),
-        progress=progress,
+        client=ide,
     )
+    report = asyncio.run(run_simulation(url, api_key, workload, progress=echo_progress))
     if rewards_timeout and report.served:
-        typer.echo(f"waiting up to {rewards_timeout:.0f} s for the rewards to be final ...")
-        engine = make_engine(settings.database_url)
-        try:
-            report.rewards = read_final_books(engine, [report], rewards_timeout).rewards
-        finally:
-            engine.dispose()
+        await_final_rewards(report, settings.database_url, rewards_timeout)
     typer.echo(report.summary())
     if report.requests_sent and not report.requests_ok:
         raise typer.Exit(code=1)
+
+
+def checked_split(split: str) -> Split:
+    """`--split`, or the usage error that names it."""
+    if split not in SPLITS:
+        raise typer.BadParameter("must be train, heldout or all", param_hint="--split")
+    return split
+
+
+def checked_client(client: str, ide_closes: float) -> ClientConfig:
+    """The IDE client `--client` and `--ide-closes` describe, or the usage error that names
+    the option at fault."""
+    if client not in CLIENT_MODES:
+        raise typer.BadParameter(f"must be {', '.join(CLIENT_MODES)}", param_hint="--client")
+    if ide_closes and client != "ideal":
+        raise typer.BadParameter(
+            "only the ideal client reports survival windows", param_hint="--ide-closes"
+        )
+    return ClientConfig(mode=client, ide_closes_share=ide_closes)
+
+
+def echo_progress(report: SimulationReport) -> None:
+    """One line as each session ends: sessions ended, requests answered of those sent."""
+    typer.echo(
+        f"  {report.sessions_ended} sessions ended, {report.requests_ok}/"
+        f"{report.requests_sent} requests answered"
+    )
+
+
+def await_final_rewards(report: SimulationReport, database_url: str, timeout: float) -> None:
+    """Wait up to `timeout` seconds for the report's rewards to be final, and add them to it."""
+    typer.echo(f"waiting up to {timeout:.0f} s for the rewards to be final ...")
+    engine = make_engine(database_url)
+    try:
+        report.rewards = read_final_books(engine, [report], timeout).rewards
+    finally:
+        engine.dispose()

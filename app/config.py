@@ -18,6 +18,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.signals.rewards import LATEST_REWARD_VERSION
+
 
 def embedded_database_url(port: int) -> str:
     return f"postgresql+psycopg://postgres@127.0.0.1:{port}/rtrl"
@@ -92,10 +94,10 @@ class Settings(BaseSettings):
 
     vllm_stream_interval: int = Field(default=1, ge=1)
     """Tokens the embedded vLLM gathers into one stream chunk (its `--stream-interval`; the
-    first token is always sent at once). The gateway spends ~0.1 ms of CPU on each chunk it
-    relays, so a gateway's streamed completions per core fall with every chunk: 4 relays a
-    300-token answer in 76 chunks instead of 300. 1 (vLLM's default): each token as it comes.
-    A vLLM run outside rtrl takes the same flag."""
+    first token is always sent at once). The gateway spends CPU on each chunk it relays, so
+    raising it lets each gateway core carry more streamed completions (the cost per chunk is
+    measured in docs/results/benchmarks.md, gateways sized by it in docs/operators/scaling.md).
+    1 (vLLM's default): each token as it comes. A vLLM run outside rtrl takes the same flag."""
 
     heartbeat_file: Path | None = None
     """A worker or trainer touches this file as its loop runs (liveness for `rtrl healthcheck`)."""
@@ -113,7 +115,7 @@ class Settings(BaseSettings):
     survival_horizon: timedelta = timedelta(minutes=15)
     """Edit survival is read at this time after acceptance (seconds or ISO 8601)."""
 
-    reward_version: int = Field(default=5, ge=0)
+    reward_version: int = Field(default=LATEST_REWARD_VERSION, ge=0)
     """Reward formula version new rewards are computed with."""
 
     latency_budget_ms: float = Field(default=2000.0, gt=0)

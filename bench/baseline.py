@@ -28,7 +28,6 @@ wall time (drift recomputation and optimizer loop).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import tempfile
 import time
@@ -45,8 +44,8 @@ from transformers import PreTrainedTokenizerFast
 from app.config import Settings
 from app.db import make_engine, session_scope
 from app.models import Checkpoint, CheckpointStatus
-from app.processes import free_port
 from app.serving.parity import completion_logprobs
+from bench._stack import scratch_settings
 from rtrl.demo import (
     OFFLINE_SEED,
     DemoConfig,
@@ -226,8 +225,8 @@ def train_and_judge(
     """A fresh LoRA on the base trained on `samples` as the cycle's update trains it, then
     judged on held-out agent runs, the formatting tokens and the gate's KL."""
     started = time.monotonic()
-    config = dataclasses.replace(
-        config, baseline=variant.baseline, kl_coef=variant.kl_coef, layout=variant.layout
+    config = config.model_copy(
+        update={"baseline": variant.baseline, "kl_coef": variant.kl_coef, "layout": variant.layout}
     )
     torch.manual_seed(config.seed)
     device = torch.device("cpu")
@@ -283,14 +282,7 @@ def main() -> None:
 
     started = time.monotonic()
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="rtrl-baseline-"))
-    settings = Settings(
-        data_dir=data_dir,
-        embedded_postgres_port=free_port(),
-        embedded_kafka_port=free_port(),
-        embedded_redis_port=free_port(),
-        embedded_vllm_port=free_port(),
-        gateway_port=free_port(),
-    )
+    settings = scratch_settings(data_dir)
     config = DemoConfig(
         cycles=1, train_users=args.users, progress_bars=False, train=demo_train_config(agent=True)
     )
@@ -326,7 +318,7 @@ def main() -> None:
             )
             print(f"  {layouts_line(samples)}", flush=True)
             print(f"  {offsets_by_turn(samples)}", flush=True)
-            train = dataclasses.replace(config.train, seed=seed)
+            train = config.train.model_copy(update={"seed": seed})
             for variant in variants:
                 outcome, _ = train_and_judge(
                     settings, samples, train, variant, probe, args.runs, tokenizer

@@ -27,15 +27,14 @@ from sqlalchemy import select
 from transformers.utils import logging as transformers_logging
 
 from app.config import Settings, settings_environment
-from app.db import make_engine, session_scope, upgrade_schema
+from app.db import session_scope
 from app.models import Checkpoint, TrainingRun
 from app.processes import free_port
-from app.serving.publish import ensure_base_checkpoint
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer, vllm_device
+from bench._stack import registry_with_base, scratch_stack
 from bench.serving import base_model
 from bench.trainer import Timeline, record_samples
-from rtrl.embedded.stack import EmbeddedStack
 from rtrl.gates import held_out_for
 from trainer.config import train_config_from_env
 from trainer.cycle import run_cycle
@@ -45,9 +44,7 @@ DRIFT = ("mean_abs", "max_abs", "kl", "capped_share")
 
 def check(args: argparse.Namespace, scratch: Path) -> int:
     model_dir = base_model(args.model)
-    stack = EmbeddedStack.at(
-        scratch, postgres_port=free_port(), kafka_port=free_port(), redis_port=free_port()
-    )
+    stack = scratch_stack(scratch)
     # vLLM and the trainer share the GPU here: leave the trainer most of it.
     server = VllmServer(
         model_dir=model_dir,
@@ -58,11 +55,7 @@ def check(args: argparse.Namespace, scratch: Path) -> int:
     )
     engine = None
     try:
-        stack.postgres.start()
-        upgrade_schema(stack.postgres.url)
-        engine = make_engine(stack.postgres.url)
-        with session_scope(engine) as session:
-            ensure_base_checkpoint(session, str(model_dir))
+        engine = registry_with_base(stack, model_dir)
         started = time.perf_counter()
         server.start(timeout=900)
         command = server.command()
@@ -91,7 +84,7 @@ def check(args: argparse.Namespace, scratch: Path) -> int:
                 settings,
                 config,
                 engine=engine,
-                held_out=held_out_for(config, engine),
+                held_out=held_out_for(config, engine, settings.base_model_path),
                 progress=timeline.progress,
             )
             timeline.progress(f"run_cycle returned: {result.status} {result.reason or ''}")

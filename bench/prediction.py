@@ -16,14 +16,12 @@ About 12 minutes a run on a 2-core CPU machine (a run is a whole demo).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from app.config import Settings
-from app.processes import free_port
+from bench._stack import scratch_settings
 from rtrl.demo import SCENARIO_CYCLES, DemoConfig, Scenario, demo_train_config, run_demo
 
 METRICS = ("mean_reward", "kept", "malformed_call_rate", "dissatisfied_rate")
@@ -32,15 +30,8 @@ METRICS = ("mean_reward", "kept", "malformed_call_rate", "dissatisfied_rate")
 def one_run(scenario: Scenario, seed: int, cycles: int | None) -> list[dict[str, Any]]:
     """The scoreboard records of one demo run, each labelled with its scenario and seed."""
     data_dir = Path(tempfile.mkdtemp(prefix=f"rtrl-prediction-{scenario}-{seed}-"))
-    settings = Settings(
-        data_dir=data_dir,
-        embedded_postgres_port=free_port(),
-        embedded_kafka_port=free_port(),
-        embedded_redis_port=free_port(),
-        embedded_vllm_port=free_port(),
-        gateway_port=free_port(),
-    )
-    train = dataclasses.replace(demo_train_config(agent=True, scenario=scenario), seed=seed)
+    settings = scratch_settings(data_dir)
+    train = demo_train_config(agent=True, scenario=scenario).model_copy(update={"seed": seed})
     config = DemoConfig(
         cycles=cycles or SCENARIO_CYCLES[scenario],
         scenario=scenario,

@@ -18,7 +18,6 @@ answer solves its task, else 0. Then, in one run:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 import time
 import uuid
@@ -33,15 +32,15 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
 from app.config import Settings
-from app.db import make_engine, session_scope, upgrade_schema
+from app.db import session_scope
 from app.models import Checkpoint, Reward, Sample, TrainingRun
 from app.processes import free_port
 from app.serving.parity import CompletionBatch, completion_batch
-from app.serving.publish import BASE_CHECKPOINT, ensure_base_checkpoint
+from app.serving.publish import BASE_CHECKPOINT
 from app.serving.sampling import sample_completions
 from app.serving.vllm import VllmServer
+from bench._stack import registry_with_base, scratch_stack
 from bench.serving import base_model, load_average
-from rtrl.embedded.stack import EmbeddedStack
 from sandbox.task_family import task_family_held_out
 from sandbox.tasks import check_solution, extract_code, train_tasks
 from trainer.config import TrainConfig
@@ -190,23 +189,17 @@ def bench(args: argparse.Namespace, scratch: Path) -> None:
     changed = {}
     if args.samples < config.min_samples:
         changed["min_samples"] = args.samples
-    config = dataclasses.replace(config, **changed)
+    config = config.model_copy(update=changed)
     print(
         f"model {model_dir}; TrainConfig defaults, changed: {changed or 'nothing'}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {pick_device(config)}"
     )
 
-    stack = EmbeddedStack.at(
-        scratch, postgres_port=free_port(), kafka_port=free_port(), redis_port=free_port()
-    )
+    stack = scratch_stack(scratch)
     server = VllmServer(model_dir=model_dir, port=free_port(), root=scratch / "vllm")
     engine = None
     try:
-        stack.postgres.start()
-        upgrade_schema(stack.postgres.url)
-        engine = make_engine(stack.postgres.url)
-        with session_scope(engine) as session:
-            ensure_base_checkpoint(session, str(model_dir))
+        engine = registry_with_base(stack, model_dir)
         started = time.perf_counter()
         server.start(timeout=600)
         print(f"vLLM start {time.perf_counter() - started:.1f} s")

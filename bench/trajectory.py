@@ -23,7 +23,6 @@ wall time; and how far apart the two layouts' logprobs and drift figures are.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import shutil
 import statistics
@@ -38,9 +37,8 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.utils import logging as transformers_logging
 
-from app.config import Settings
 from app.db import make_engine
-from app.processes import free_port
+from bench._stack import scratch_settings
 from bench.baseline import serve_first_cycle
 from bench.serving import load_average
 from rtrl.demo import DemoConfig, Ops, create_keys, demo_train_config
@@ -116,14 +114,7 @@ def demo_batch(
     """The demo's first agent cycle's on-policy batch on the base (`users` developers, traffic
     `seed`), served through the whole stack, which is stopped before this returns; the base
     model's directory and the demo's training settings."""
-    settings = Settings(
-        data_dir=data_dir,
-        embedded_postgres_port=free_port(),
-        embedded_kafka_port=free_port(),
-        embedded_redis_port=free_port(),
-        embedded_vllm_port=free_port(),
-        gateway_port=free_port(),
-    )
+    settings = scratch_settings(data_dir)
     config = DemoConfig(
         cycles=1, train_users=users, progress_bars=False, train=demo_train_config(agent=True)
     )
@@ -138,7 +129,7 @@ def demo_batch(
     finally:
         engine.dispose()
         stack.down()
-    return samples, settings.base_model_path, dataclasses.replace(config.train, seed=seed)
+    return samples, settings.base_model_path, config.train.model_copy(update={"seed": seed})
 
 
 @dataclass
@@ -161,7 +152,7 @@ def train_in(
     model_dir: Path, samples: list[TrainingSample], config: TrainConfig, layout: Layout
 ) -> LayoutRound:
     """A fresh LoRA on the base: the cycle's drift recomputation and update in `layout`."""
-    config = dataclasses.replace(config, layout=layout)
+    config = config.model_copy(update={"layout": layout})
     torch.manual_seed(config.seed)
     device = torch.device("cpu")
     policy = load_trainable_policy(model_dir, None, config, device)

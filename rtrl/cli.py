@@ -577,7 +577,7 @@ def train(
             settings,
             config,
             engine=engine,
-            held_out=held_out_for(config, engine),
+            held_out=held_out_for(config, engine, settings.base_model_path),
             progress=typer.echo if world.is_main else (lambda line: None),
             world=world,
         )
@@ -637,7 +637,7 @@ def trainer_loop() -> None:
             settings,
             config,
             engine=engine,
-            held_out=held_out_for(config, engine),
+            held_out=held_out_for(config, engine, settings.base_model_path),
             stop=stop,
             world=world,
         )

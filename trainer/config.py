@@ -1,38 +1,40 @@
-"""The trainer's knobs, one typed dataclass, and the `RTRL_TRAIN_*` variables that set them."""
+"""The trainer's knobs, declared once: each field of `TrainConfig` with its bounds and the
+docstring under it, set from `RTRL_TRAIN_<FIELD>` by `TrainSettings`."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.config import SettingsError
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
-EvalGate = Literal["task_family", "logged_traffic", "agent_tasks"]
+EvalGate = Literal["auto", "task_family", "logged_traffic", "agent_tasks"]
 Baseline = Literal["state", "batch"]
 Layout = Literal["merged", "stepwise"]
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(BaseModel):
+    """One training cycle's knobs; copy with `config.model_copy(update={...})`."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
     seed: int = 0
     """Seeds torch and the minibatch order."""
-    min_samples: int = 64
+    min_samples: int = Field(default=64, ge=1)
     """Fewer finalized, trainable production samples than this: skip the cycle."""
-    min_new_samples: int = 64
+    min_new_samples: int = Field(default=64, ge=0)
     """Fewer of them served after the window of the last run that trained from the same
     production checkpoint: skip the cycle, it would publish a near-duplicate of that run."""
-    max_samples: int = 4096
+    max_samples: int = Field(default=4096, ge=1)
     """Train on at most this many of the most recent samples."""
-    epochs: int = 2
+    epochs: int = Field(default=2, ge=1)
     """Passes over the on-policy batch."""
-    minibatch_size: int = 64
+    minibatch_size: int = Field(default=64, ge=1)
     """Samples per optimizer step, across every rank (split into micro-batches)."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = Field(default=8192, ge=1)
     """Padded tokens (rows × longest prompt+completion) per forward/backward pass; gradients
     accumulate over a minibatch's micro-batches, so this bounds memory, not the update."""
     gradient_checkpointing: bool = False
@@ -40,37 +42,35 @@ class TrainConfig:
     dtype: Dtype = "auto"
     """Precision of the policy's weights and forward pass: bf16, fp16 or fp32; auto is bf16 on
     CUDA and fp32 on CPU, as vLLM serves. LoRA weights and the optimizer stay in fp32."""
-    learning_rate: float = 5e-4
+    learning_rate: float = Field(default=5e-4, gt=0)
     """AdamW learning rate for the LoRA; conservative, since a large step undoes a good policy."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = Field(default=1.0, gt=0)
     """Gradient clipping."""
-    clip_epsilon: float = 0.2
+    clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
     """PPO clip range for the ratio of the new policy to the pre-update policy."""
-    tis_cap: float = 2.0
+    tis_cap: float = Field(default=2.0, gt=1)
     """Truncation of the importance weight from vLLM's behaviour policy to ours (TIS)."""
     baseline: Baseline = "state"
     """What a sample's reward is measured against: "state", the mean reward of other runs'
     samples of its prompt, else of its state (agent or chat, turn, edit asked for), else of the
     batch (`trainer.loss.state_baselines`); "batch", the former one, its prompt's mean, else
     the batch mean."""
-    kl_coef: float = 0.05
+    kl_coef: float = Field(default=0.05, ge=0)
     """Weight of the per-token KL penalty to production (the policy before this update) on the
     tokens trained on; 0 disables it. It holds back tokens that drift with whatever the
-    sample's advantage was (an answer's end, a tool's name). Measured on the demo's first
-    agent cycle (`bench/baseline.py`, 5 seeds): at 0.05 held-out solved runs rose 7.6 pp
-    against 8.3 without it, within the seeds' noise, and the update's KL fell by a sixth; at
-    0.1 (2 seeds) the gain fell by 2 pp."""
+    sample's advantage was (an answer's end, a tool's name). 0.05 kept the demo's gain and cut
+    the update's KL by a sixth (`docs/results/trainer-defaults.md`)."""
     layout: Layout = "merged"
     """How a run's turns are fed (`trainer.sequences`): "merged", consecutive turns whose token
     ids are an exact prefix of the next turn's prompt as one sequence with loss on the model's
     tokens only (O(T) tokens for T turns); "stepwise", each turn a row of its own carrying the
     whole history again (O(T^2)). The same tokens get the same logprobs, loss and gradient
     either way (up to float rounding); a minibatch holds about `minibatch_size` samples' rows."""
-    lora_rank: int = 16
+    lora_rank: int = Field(default=16, ge=1)
     """LoRA rank (vLLM is started with --max-lora-rank 16)."""
-    lora_alpha: int = 32
+    lora_alpha: int = Field(default=32, ge=1)
     """LoRA scaling numerator."""
-    lora_target_modules: list[str] = field(
+    lora_target_modules: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: [
             "q_proj",
             "k_proj",
@@ -79,97 +79,52 @@ class TrainConfig:
             "gate_proj",
             "up_proj",
             "down_proj",
-        ]
+        ],
+        min_length=1,
     )
     """Linear layers that get adapters (["all-linear"]: every linear layer but the head)."""
-    drift_max_abs: float | None = None
+    drift_max_abs: float | None = Field(default=None, ge=0)
     """Refuse when any token's |logged − recomputed| logprob exceeds this; None: the dtype's
     default (see trainer/drift.py), inf: no limit."""
-    drift_mean_abs: float | None = None
+    drift_mean_abs: float | None = Field(default=None, ge=0)
     """Refuse when the mean |logged − recomputed| logprob over the batch exceeds this."""
-    drift_kl: float | None = None
+    drift_kl: float | None = Field(default=None, ge=0)
     """Refuse when the mean per-token KL(vLLM ‖ trainer) estimate (k3) exceeds this."""
-    drift_capped_share: float | None = None
+    drift_capped_share: float | None = Field(default=None, ge=0, le=1)
     """Refuse when more than this share of tokens have their importance weight capped at
     `tis_cap`."""
-    eval_gate: EvalGate = "task_family"
+    eval_gate: EvalGate = "auto"
     """What the evaluation gate scores candidates on: the toy task family's held-out tasks,
     production's logged held-out traffic (kept against rejected completions), or held-out
-    agent tasks run offline with the workspace's tools (solved without a malformed call)."""
-    eval_tasks: int = 128
+    agent tasks run offline with the workspace's tools (solved without a malformed call);
+    auto: the task family on a base the sandbox ships, logged traffic on any other."""
+    eval_tasks: int = Field(default=128, ge=1)
     """Held-out tasks (task_family, agent_tasks) or most recent kept and rejected
     completions each (logged_traffic) in the evaluation gate."""
-    eval_max_new_tokens: int = 48
+    eval_max_new_tokens: int = Field(default=48, ge=1)
     """Generation length in the task-family gate."""
-    eval_max_regression: float = 0.05
+    eval_max_regression: float = Field(default=0.05, ge=0)
     """Held-out pass rate may drop at most this much against production."""
-    eval_max_kl: float = 0.5
+    eval_max_kl: float = Field(default=0.5, ge=0)
     """Mean per-token KL(new ‖ production) on held-out prompts above this: reject."""
-    eval_traffic_percent: int = 10
+    eval_traffic_percent: int = Field(default=10, ge=1, le=50)
     """With the logged_traffic gate: this percent of production traffic (by sample id) is
     never trained on and is what the gate scores."""
-    prediction_percent: int = 10
+    prediction_percent: int = Field(default=10, ge=0, le=50)
     """This percent of production traffic (by sample id) is never trained on: the candidate's
     A/B is predicted on it before its canary (`trainer.prediction`); 0: no prediction."""
-    prediction_samples: int = 1024
+    prediction_samples: int = Field(default=1024, ge=1)
     """Most logged completions of that slice a prediction scores (the newest)."""
-    prediction_gate_margin: float | None = None
+    prediction_gate_margin: float | None = Field(default=None, ge=0)
     """Hold a candidate whose mean reward is predicted, reliably, below production's by more
     than this (its whole interval); None: predictions are recorded, never acted on."""
-    canary_bps: int = 1000
+    canary_bps: int = Field(default=1000, ge=1, le=9999)
     """Share of users routed to the new checkpoint, in basis points (10%)."""
-    threads: int = 0
+    threads: int = Field(default=0, ge=0)
     """Torch CPU threads for the cycle; 0 keeps torch's default. Beside a local vLLM on a
     2-core machine, 1 is several times faster than 2 (the threads wait on each other)."""
     device: str = ""
     """"" picks CUDA when available (the local rank's device under torchrun), else CPU."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class TrainSettings(BaseSettings):
-    """`RTRL_TRAIN_<FIELD>` for each TrainConfig field of the same name, validated."""
-
-    model_config = SettingsConfigDict(env_prefix="RTRL_TRAIN_", extra="ignore")
-
-    seed: int = 0
-    min_samples: int = Field(default=64, ge=1)
-    min_new_samples: int = Field(default=64, ge=0)
-    max_samples: int = Field(default=4096, ge=1)
-    epochs: int = Field(default=2, ge=1)
-    minibatch_size: int = Field(default=64, ge=1)
-    micro_batch_tokens: int = Field(default=8192, ge=1)
-    gradient_checkpointing: bool = False
-    dtype: Dtype = "auto"
-    learning_rate: float = Field(default=5e-4, gt=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
-    tis_cap: float = Field(default=2.0, gt=1)
-    baseline: Baseline = "state"
-    kl_coef: float = Field(default=0.05, ge=0)
-    layout: Layout = "merged"
-    lora_rank: int = Field(default=16, ge=1)
-    lora_alpha: int = Field(default=32, ge=1)
-    lora_target_modules: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: TrainConfig().lora_target_modules, min_length=1
-    )
-    drift_max_abs: float | None = Field(default=None, ge=0)
-    drift_mean_abs: float | None = Field(default=None, ge=0)
-    drift_kl: float | None = Field(default=None, ge=0)
-    drift_capped_share: float | None = Field(default=None, ge=0, le=1)
-    eval_gate: EvalGate = "task_family"
-    eval_tasks: int = Field(default=128, ge=1)
-    eval_max_new_tokens: int = Field(default=48, ge=1)
-    eval_max_regression: float = Field(default=0.05, ge=0)
-    eval_max_kl: float = Field(default=0.5, ge=0)
-    eval_traffic_percent: int = Field(default=10, ge=1, le=50)
-    prediction_percent: int = Field(default=10, ge=0, le=50)
-    prediction_samples: int = Field(default=1024, ge=1)
-    prediction_gate_margin: float | None = Field(default=None, ge=0)
-    canary_bps: int = Field(default=1000, ge=1, le=9999)
-    threads: int = Field(default=0, ge=0)
-    device: str = ""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -204,6 +159,12 @@ class TrainSettings(BaseSettings):
             raise ValueError("must be empty, cpu, cuda or cuda:N")
         return value
 
+
+class TrainSettings(TrainConfig, BaseSettings):
+    """`TrainConfig` read from `RTRL_TRAIN_<FIELD>` for each of its fields."""
+
+    model_config = SettingsConfigDict(env_prefix="RTRL_TRAIN_", extra="ignore")
+
     def train_config(self, **overrides: Any) -> TrainConfig:
         """The TrainConfig these settings describe, with `overrides` (None: not overridden)."""
         values = self.model_dump()
@@ -234,4 +195,4 @@ def train_config_from_env(**overrides: Any) -> TrainConfig:
 
 def with_explicit_settings(config: TrainConfig) -> TrainConfig:
     """`config` (a caller's own defaults, e.g. the demo's) with whatever `RTRL_TRAIN_*` sets."""
-    return dataclasses.replace(config, **load_train_settings().explicit())
+    return config.model_copy(update=load_train_settings().explicit())

@@ -11,7 +11,8 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,6 +44,7 @@ from trainer.data import (
 from trainer.distributed import SINGLE, World, share
 from trainer.drift import drift_limits, measure_drift
 from trainer.evaluate import (
+    GateResult,
     HeldOut,
     HeldOutUnavailable,
     Reference,
@@ -72,6 +74,23 @@ class CycleResult:
 
 
 @dataclass(frozen=True)
+class CycleContext:
+    """What rank 0 runs a cycle with: the deployment, the trainer's knobs, the registry, the
+    gate's held-out set, where progress goes and the ranks that train with it."""
+
+    settings: Settings
+    config: TrainConfig
+    engine: Engine
+    held_out: HeldOut
+    """What the evaluation gate scores the candidate on."""
+    progress: Callable[[str], None] = log.info
+    on_published: Callable[[], None] | None = None
+    """Called once a candidate is published as a canary."""
+    trigger: CycleTrigger = CycleTrigger.manual
+    world: World = SINGLE
+
+
+@dataclass(frozen=True)
 class CyclePlan:
     """What rank 0 decided to train on, shared with every rank."""
 
@@ -81,6 +100,32 @@ class CyclePlan:
     production_adapter: str | None
     samples: list[TrainingSample]
     window: tuple[datetime | None, datetime | None]
+
+
+@dataclass(frozen=True)
+class Trainee:
+    """Production's policy on this rank, about to be updated: its own logprobs of the batch
+    (the drift check's and the PPO ratio's), the drift statistics, and the refusal when the
+    drift is beyond its limits."""
+
+    policy: torch.nn.Module
+    device: torch.device
+    old_logprobs: list[list[float]]
+    stats: dict[str, Any]
+    refusal: str | None
+
+
+@dataclass(frozen=True)
+class ProductionBaseline:
+    """Production as rank 0 measured it before the update: what the candidate is judged
+    against."""
+
+    tokenizer: PreTrainedTokenizerFast
+    reference: Reference
+    weights: dict[str, torch.Tensor]
+    """The LoRA's weights before the update, for the KL to production."""
+    pass_rate: float
+    logged: LoggedSlice
 
 
 def run_cycle(
@@ -99,61 +144,53 @@ def run_cycle(
     rank 0, and return its outcome."""
     if not world.is_main:
         return follow_cycle(settings, config, world)
+    cycle = CycleContext(settings, config, engine, held_out, progress, on_published, trigger, world)
     with trainer_lock(engine):
-        return run_locked_cycle(
-            settings,
-            config,
-            engine=engine,
-            held_out=held_out,
-            progress=progress,
-            on_published=on_published,
-            trigger=trigger,
-            world=world,
-        )
+        return run_locked_cycle(cycle)
 
 
-def run_locked_cycle(
-    settings: Settings,
-    config: TrainConfig,
-    *,
-    engine: Engine,
-    held_out: HeldOut,
-    progress: Callable[[str], None] = log.info,
-    on_published: Callable[[], None] | None = None,
-    trigger: CycleTrigger = CycleTrigger.manual,
-    world: World = SINGLE,
-) -> CycleResult:
+def run_locked_cycle(cycle: CycleContext) -> CycleResult:
     """`run_cycle` for a caller that holds the trainer lock already (rank 0)."""
     try:
-        if abandon_crashed_runs(engine):
-            # A run that died while publishing may have left its adapter on a replica.
-            report = reconcile(
-                engine, settings.vllm_urls, api_key=settings.vllm_api_key.get_secret_value()
-            )
-            for replica, names in report.unloaded.items():
-                progress(f"unloaded unregistered {', '.join(names)} from {replica}")
-            for error in report.errors:
-                progress(f"reconcile: {error}")
-        run_id, production, batch, previous = open_run(
-            engine, config, trigger, max(held_out.withheld_percent, config.prediction_percent)
-        )
-        progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
-        skip = skip_reason(batch, previous, config)
-        reference = None
-        if skip is None:
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(settings.base_model_path)
-            try:
-                reference = held_out.reference(tokenizer)
-            except HeldOutUnavailable as exc:
-                skip = str(exc)
-        if skip is not None or reference is None:
-            progress(f"run {run_id}: skipped: {skip}")
-            skipped = finish_run(engine, run_id, TrainingRunStatus.skipped, reason=skip)
-            return share(skipped, world)
+        planned = plan_cycle(cycle)
+        if isinstance(planned, CycleResult):
+            return share(planned, cycle.world)
     except BaseException:
         nothing: CyclePlan | CycleResult | None = None
-        share(nothing, world)  # the other ranks stop waiting
+        share(nothing, cycle.world)  # the other ranks stop waiting
         raise
+    plan, reference = planned
+    share(plan, cycle.world)
+    try:
+        with cycle_threads(cycle.config):
+            return train_and_publish(cycle, plan, reference)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        finish_run(cycle.engine, plan.run_id, TrainingRunStatus.failed, reason=reason)
+        raise
+
+
+def plan_cycle(cycle: CycleContext) -> tuple[CyclePlan, Reference] | CycleResult:
+    """Rank 0: clean up after a crashed run, open a run on production's batch and take the
+    gate's reference; the skipped run when there is nothing to train on or judge with."""
+    if abandon_crashed_runs(cycle.engine):
+        unload_unregistered_adapters(cycle)
+    withheld_percent = max(cycle.held_out.withheld_percent, cycle.config.prediction_percent)
+    run_id, production, batch, previous = open_run(
+        cycle.engine, cycle.config, cycle.trigger, withheld_percent
+    )
+    cycle.progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
+    skip = skip_reason(batch, previous, cycle.config)
+    reference = None
+    if skip is None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(cycle.settings.base_model_path)
+        try:
+            reference = cycle.held_out.reference(tokenizer)
+        except HeldOutUnavailable as exc:
+            skip = str(exc)
+    if skip is not None or reference is None:
+        cycle.progress(f"run {run_id}: skipped: {skip}")
+        return finish_run(cycle.engine, run_id, TrainingRunStatus.skipped, reason=skip)
     plan = CyclePlan(
         run_id=run_id,
         production_id=production.id,
@@ -162,27 +199,19 @@ def run_locked_cycle(
         samples=batch.samples,
         window=(batch.window_start, batch.window_end),
     )
-    share(plan, world)
-    threads = torch.get_num_threads()
-    try:
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        return train_and_publish(
-            settings,
-            config,
-            plan,
-            engine=engine,
-            held_out=held_out,
-            reference=reference,
-            progress=progress,
-            on_published=on_published,
-            world=world,
-        )
-    except Exception as exc:
-        finish_run(engine, run_id, TrainingRunStatus.failed, reason=f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        torch.set_num_threads(threads)
+    return plan, reference
+
+
+def unload_unregistered_adapters(cycle: CycleContext) -> None:
+    """A run that died while publishing may have left its adapter on a replica: unload it."""
+    settings = cycle.settings
+    report = reconcile(
+        cycle.engine, settings.vllm_urls, api_key=settings.vllm_api_key.get_secret_value()
+    )
+    for replica, names in report.unloaded.items():
+        cycle.progress(f"unloaded unregistered {', '.join(names)} from {replica}")
+    for error in report.errors:
+        cycle.progress(f"reconcile: {error}")
 
 
 def follow_cycle(settings: Settings, config: TrainConfig, world: World) -> CycleResult:
@@ -193,11 +222,18 @@ def follow_cycle(settings: Settings, config: TrainConfig, world: World) -> Cycle
         raise RuntimeError("rank 0 failed before it shared its plan; see its log")
     if isinstance(plan, CycleResult):
         return plan  # nothing to train
+    with cycle_threads(config):
+        return train_with_rank_0(settings, config, plan, world)
+
+
+@contextmanager
+def cycle_threads(config: TrainConfig) -> Iterator[None]:
+    """Torch's CPU threads set to `config.threads` for the cycle (0: left as they are)."""
     threads = torch.get_num_threads()
     try:
         if config.threads:
             torch.set_num_threads(config.threads)
-        return train_and_publish(settings, config, plan, world=world)
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -253,7 +289,7 @@ def open_run(
         )
         run = TrainingRun(
             status=TrainingRunStatus.running,
-            config=config.as_dict(),
+            config=config.model_dump(),
             base_checkpoint_id=production.id,
             sample_count=len(batch.samples),
             window_start=batch.window_start,
@@ -315,29 +351,71 @@ def finish_run(
     return CycleResult(run_id=run_id, status=status, reason=reason, checkpoint=name)
 
 
-def train_and_publish(
-    settings: Settings,
-    config: TrainConfig,
-    plan: CyclePlan,
-    *,
-    engine: Engine | None = None,
-    held_out: HeldOut | None = None,
-    reference: Reference | None = None,
-    progress: Callable[[str], None] = log.debug,
-    on_published: Callable[[], None] | None = None,
-    world: World = SINGLE,
+def train_with_rank_0(
+    settings: Settings, config: TrainConfig, plan: CyclePlan, world: World
 ) -> CycleResult:
-    """Every rank: drift check and update. Rank 0 (which alone gets `engine`, `held_out` and
-    its `reference`): evaluation gate, save, publish, canary, and the run's record."""
+    """A rank other than 0: the drift check and its share of the update; rank 0's outcome."""
+    trainee = measure_drift_or_refuse(settings, config, plan, world, log.debug)
+    if trainee.refusal is not None:
+        return CycleResult(plan.run_id, TrainingRunStatus.refused, trainee.refusal, None)
+    update_policy(
+        trainee.policy, plan.samples, trainee.old_logprobs, config, trainee.device, log.debug, world
+    )
+    return share(CycleResult(plan.run_id, TrainingRunStatus.running, None, None), world)
+
+
+def train_and_publish(cycle: CycleContext, plan: CyclePlan, reference: Reference) -> CycleResult:
+    """Rank 0: drift check, production's scores, the update (with the other ranks), then the
+    evaluation gate, save, publish, canary, and the run's record."""
+    config, world = cycle.config, cycle.world
+    trainee = measure_drift_or_refuse(cycle.settings, config, plan, world, cycle.progress)
+    if trainee.refusal is not None:
+        return finish_run(
+            cycle.engine,
+            plan.run_id,
+            TrainingRunStatus.refused,
+            reason=trainee.refusal,
+            stats=trainee.stats,
+        )
+    production = measure_production(cycle, plan, trainee.policy, reference)
+    samples = plan.samples
+    stats = trainee.stats | update_policy(
+        trainee.policy, samples, trainee.old_logprobs, config, trainee.device, cycle.progress, world
+    )
+    stats["reward_mean_before"] = sum(s.reward for s in samples) / len(samples)
+    try:
+        result = judge_and_publish(cycle, plan, trainee.policy, production, stats)
+    except BaseException as exc:
+        share(CycleResult(plan.run_id, TrainingRunStatus.failed, repr(exc), None), world)
+        raise
+    return share(result, world)
+
+
+def load_production_policy(
+    settings: Settings, config: TrainConfig, plan: CyclePlan, world: World
+) -> tuple[torch.nn.Module, torch.device, str]:
+    """Seeded: production's policy (the base and its adapter) on this rank's device, that
+    device, and the policy's dtype."""
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     device = pick_device(config, world)
     dtype = policy_dtype(config, device)
-    base_model = settings.base_model_path
-    production_adapter = Path(plan.production_adapter) if plan.production_adapter else None
-    policy = load_trainable_policy(base_model, production_adapter, config, device)
-    samples = plan.samples
+    adapter = Path(plan.production_adapter) if plan.production_adapter else None
+    policy = load_trainable_policy(settings.base_model_path, adapter, config, device)
+    return policy, device, dtype
 
+
+def measure_drift_or_refuse(
+    settings: Settings,
+    config: TrainConfig,
+    plan: CyclePlan,
+    world: World,
+    progress: Callable[[str], None],
+) -> Trainee:
+    """Every rank: production's policy and its logprobs of every token vLLM sampled, against
+    vLLM's own (serving/training drift); refused when they disagree beyond the limits."""
+    policy, device, dtype = load_production_policy(settings, config, plan, world)
+    samples = plan.samples
     # A run's turns as one sequence where each extends the last (or each turn alone).
     layout = layout_rows(samples, config.layout)
     if world.is_main:
@@ -378,90 +456,97 @@ def train_and_publish(
     refusal = drift.refusal(limits)
     if refusal is not None:
         progress(f"run {plan.run_id}: refused: {refusal}")
-        if engine is None:
-            return CycleResult(plan.run_id, TrainingRunStatus.refused, refusal, None)
-        return finish_run(
-            engine, plan.run_id, TrainingRunStatus.refused, reason=refusal, stats=stats
-        )
+    return Trainee(policy, device, old_logprobs, stats, refusal)
 
-    if not world.is_main:
-        update_policy(policy, samples, old_logprobs, config, device, progress, world)
-        return share(CycleResult(plan.run_id, TrainingRunStatus.running, None, None), world)
 
-    assert engine is not None and held_out is not None and reference is not None
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(base_model)
-    production_weights = trainable_state(policy)
-    production_pass = held_out.pass_rate(policy, tokenizer)
-    progress(f"run {plan.run_id}: production held-out pass rate {production_pass:.3f}")
-    logged = LoggedSlice.select(engine, config, plan.production_id)
-    logged.score_production(policy, config)
-
-    stats |= update_policy(policy, samples, old_logprobs, config, device, progress, world)
-    stats["reward_mean_before"] = sum(s.reward for s in samples) / len(samples)
-    try:
-        result = judge_and_publish(
-            settings,
-            config,
-            plan,
-            policy,
-            engine=engine,
-            held_out=held_out,
-            tokenizer=tokenizer,
-            reference=reference,
-            production_weights=production_weights,
-            production_pass=production_pass,
-            logged=logged,
-            stats=stats,
-            progress=progress,
-            on_published=on_published,
-        )
-    except BaseException as exc:
-        share(CycleResult(plan.run_id, TrainingRunStatus.failed, repr(exc), None), world)
-        raise
-    return share(result, world)
+def measure_production(
+    cycle: CycleContext, plan: CyclePlan, policy: torch.nn.Module, reference: Reference
+) -> ProductionBaseline:
+    """Rank 0, before the update: production's weights, its held-out pass rate, and its
+    scores of the logged slice the candidate's A/B is predicted on."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(cycle.settings.base_model_path)
+    weights = trainable_state(policy)
+    pass_rate = cycle.held_out.pass_rate(policy, tokenizer)
+    cycle.progress(f"run {plan.run_id}: production held-out pass rate {pass_rate:.3f}")
+    logged = LoggedSlice.select(cycle.engine, cycle.config, plan.production_id)
+    logged.score_production(policy, cycle.config)
+    return ProductionBaseline(tokenizer, reference, weights, pass_rate, logged)
 
 
 def judge_and_publish(
-    settings: Settings,
-    config: TrainConfig,
+    cycle: CycleContext,
     plan: CyclePlan,
     policy: torch.nn.Module,
-    *,
-    engine: Engine,
-    held_out: HeldOut,
-    tokenizer: PreTrainedTokenizerFast,
-    reference: Reference,
-    production_weights: dict[str, torch.Tensor],
-    production_pass: float,
-    logged: LoggedSlice,
+    production: ProductionBaseline,
     stats: dict[str, Any],
-    progress: Callable[[str], None],
-    on_published: Callable[[], None] | None,
 ) -> CycleResult:
     """Rank 0 after the update: the evaluation gate, the candidate's predicted A/B, then save,
     publish and start a canary."""
-    with session_scope(engine) as session:
-        erased = erased_since_selected(session, plan.samples)
-    if erased:
-        # The update learned from them: no checkpoint trained on an erased user is published.
-        reason = f"{erased} samples of the batch were erased during the cycle"
-        progress(f"run {plan.run_id}: rejected: {reason}")
-        return finish_run(
-            engine, plan.run_id, TrainingRunStatus.rejected, reason=reason, stats=stats
-        )
-    prediction = logged.predict(policy, config, plan.window)
+    erased = refuse_if_erased(cycle, plan, stats)
+    if erased is not None:
+        return erased
+    prediction = production.logged.predict(policy, cycle.config, plan.window)
     if prediction is not None:
-        progress(f"run {plan.run_id}: {prediction_summary(prediction)}")
-    candidate_pass = held_out.pass_rate(policy, tokenizer)
-    kl = kl_to_production(policy, production_weights, reference.answers)
+        cycle.progress(f"run {plan.run_id}: {prediction_summary(prediction)}")
+    verdict = gate_candidate(cycle, plan, policy, production)
+    if not verdict.passed:
+        cycle.progress(f"run {plan.run_id}: rejected: {verdict.reason}")
+        return finish_run(
+            cycle.engine,
+            plan.run_id,
+            TrainingRunStatus.rejected,
+            reason=verdict.reason,
+            stats=stats,
+            eval_results=verdict.as_dict(),
+            prediction=prediction,
+        )
+    held = hold_on_prediction(cycle, plan, prediction)
+    if held is not None:
+        return finish_run(
+            cycle.engine,
+            plan.run_id,
+            TrainingRunStatus.rejected,
+            reason=held,
+            stats=stats,
+            eval_results=verdict.as_dict(),
+            prediction=prediction,
+        )
+    return publish_as_canary(cycle, plan, policy, stats, verdict, prediction)
+
+
+def refuse_if_erased(
+    cycle: CycleContext, plan: CyclePlan, stats: dict[str, Any]
+) -> CycleResult | None:
+    """The rejected run when samples of the batch were erased during the cycle: the update
+    learned from them, and no checkpoint trained on an erased user is published."""
+    with session_scope(cycle.engine) as session:
+        erased = erased_since_selected(session, plan.samples)
+    if not erased:
+        return None
+    reason = f"{erased} samples of the batch were erased during the cycle"
+    cycle.progress(f"run {plan.run_id}: rejected: {reason}")
+    return finish_run(
+        cycle.engine, plan.run_id, TrainingRunStatus.rejected, reason=reason, stats=stats
+    )
+
+
+def gate_candidate(
+    cycle: CycleContext, plan: CyclePlan, policy: torch.nn.Module, production: ProductionBaseline
+) -> GateResult:
+    """The evaluation gate: the candidate's held-out pass rate against production's, and how
+    far it moved from production on the gate's reference answers and agent turns."""
+    config = cycle.config
+    candidate_pass = cycle.held_out.pass_rate(policy, production.tokenizer)
+    reference = production.reference
+    kl = kl_to_production(policy, production.weights, reference.answers)
     agent_kl = (
-        kl_to_production(policy, production_weights, reference.agent_turns)
+        kl_to_production(policy, production.weights, reference.agent_turns)
         if reference.agent_turns is not None
         else None
     )
     result = gate(
-        held_out.name,
-        production_pass,
+        cycle.held_out.name,
+        production.pass_rate,
         candidate_pass,
         kl,
         agent_kl,
@@ -469,48 +554,51 @@ def judge_and_publish(
         max_kl=config.eval_max_kl,
     )
     on_agent_turns = f", {agent_kl:.4f} on agent turns" if agent_kl is not None else ""
-    progress(
+    cycle.progress(
         f"run {plan.run_id}: candidate held-out pass rate {candidate_pass:.3f}, KL to "
         f"production {kl:.4f} on answers{on_agent_turns}"
     )
-    if not result.passed:
-        progress(f"run {plan.run_id}: rejected: {result.reason}")
-        return finish_run(
-            engine,
-            plan.run_id,
-            TrainingRunStatus.rejected,
-            reason=result.reason,
-            stats=stats,
-            eval_results=result.as_dict(),
-            prediction=prediction,
-        )
-    margin = config.prediction_gate_margin
-    held = None if prediction is None or margin is None else hold_reason(prediction, margin)
-    if held is not None and prediction is not None:
-        progress(f"run {plan.run_id}: held before its canary: {held}")
-        with session_scope(engine) as session:
-            audit(
-                session,
-                TRAINER_ACTOR,
-                "training_run.held",
-                f"training_run:{plan.run_id}",
-                None,
-                {"reason": held, "prediction": prediction["kinds"]["all"]["mean_reward"]},
-            )
-        return finish_run(
-            engine,
-            plan.run_id,
-            TrainingRunStatus.rejected,
-            reason=held,
-            stats=stats,
-            eval_results=result.as_dict(),
-            prediction=prediction,
-        )
+    return result
 
+
+def hold_on_prediction(
+    cycle: CycleContext, plan: CyclePlan, prediction: dict[str, Any] | None
+) -> str | None:
+    """Why a candidate that passed the gate is held before its canary: its mean reward
+    predicted, reliably, below production's by more than `prediction_gate_margin` (audited);
+    None: it goes on to its canary."""
+    margin = cycle.config.prediction_gate_margin
+    held = None if prediction is None or margin is None else hold_reason(prediction, margin)
+    if held is None or prediction is None:
+        return None
+    cycle.progress(f"run {plan.run_id}: held before its canary: {held}")
+    with session_scope(cycle.engine) as session:
+        audit(
+            session,
+            TRAINER_ACTOR,
+            "training_run.held",
+            f"training_run:{plan.run_id}",
+            None,
+            {"reason": held, "prediction": prediction["kinds"]["all"]["mean_reward"]},
+        )
+    return held
+
+
+def publish_as_canary(
+    cycle: CycleContext,
+    plan: CyclePlan,
+    policy: torch.nn.Module,
+    stats: dict[str, Any],
+    verdict: GateResult,
+    prediction: dict[str, Any] | None,
+) -> CycleResult:
+    """Save the candidate's adapter, publish it to every replica, and route `canary_bps` of
+    users to it against production; the run's record names the canary it superseded."""
+    settings, config = cycle.settings, cycle.config
     adapter_dir = settings.data_dir.resolve() / "runs" / f"run-{plan.run_id}" / "adapter"
     policy.save_pretrained(str(adapter_dir))  # type: ignore[operator]
     checkpoint = publish_checkpoint(
-        engine,
+        cycle.engine,
         adapter_dir,
         parent=plan.production_name,
         replicas=settings.vllm_urls,
@@ -524,39 +612,49 @@ def judge_and_publish(
             "samples": len(plan.samples),
         },
     )
-    with session_scope(engine) as session:
-        control = session.get_one(Checkpoint, plan.production_id)
-        treatment = session.get_one(Checkpoint, checkpoint.id)
-        start_canary(
-            session,
-            control=control,
-            treatment=treatment,
-            treatment_bps=config.canary_bps,
-            created_by=f"trainer run {plan.run_id}",
-            actor=TRAINER_ACTOR,
-        )
-        superseded = ", ".join(
-            session.scalars(
-                select(Checkpoint.name).where(Checkpoint.superseded_by_id == treatment.id)
-            )
-        )
-    if on_published is not None:
-        on_published()
-    progress(
+    superseded = start_canary_against_production(cycle, plan, checkpoint.id)
+    if cycle.on_published is not None:
+        cycle.on_published()
+    cycle.progress(
         f"run {plan.run_id}: published {checkpoint.name} as a {config.canary_bps / 100:g}% canary"
     )
     if superseded:
-        progress(f"run {plan.run_id}: the canary {superseded} is superseded by {checkpoint.name}")
+        cycle.progress(
+            f"run {plan.run_id}: the canary {superseded} is superseded by {checkpoint.name}"
+        )
     return finish_run(
-        engine,
+        cycle.engine,
         plan.run_id,
         TrainingRunStatus.published,
         reason=f"superseded the canary {superseded}" if superseded else None,
         stats=stats,
-        eval_results=result.as_dict(),
+        eval_results=verdict.as_dict(),
         prediction=prediction,
         output_checkpoint_id=checkpoint.id,
     )
+
+
+def start_canary_against_production(
+    cycle: CycleContext, plan: CyclePlan, checkpoint_id: int
+) -> str:
+    """Start the published checkpoint's canary against production; the canaries it
+    superseded, by name (empty: none)."""
+    with session_scope(cycle.engine) as session:
+        control = session.get_one(Checkpoint, plan.production_id)
+        treatment = session.get_one(Checkpoint, checkpoint_id)
+        start_canary(
+            session,
+            control=control,
+            treatment=treatment,
+            treatment_bps=cycle.config.canary_bps,
+            created_by=f"trainer run {plan.run_id}",
+            actor=TRAINER_ACTOR,
+        )
+        return ", ".join(
+            session.scalars(
+                select(Checkpoint.name).where(Checkpoint.superseded_by_id == treatment.id)
+            )
+        )
 
 
 def json_number(value: Any) -> Any:

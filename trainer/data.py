@@ -10,6 +10,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     DateTime,
+    and_,
     bindparam,
     exists,
     func,
@@ -122,6 +123,28 @@ def cohort_end(session: Session, checkpoint: str, since: datetime) -> datetime |
     )
 
 
+def production_samples(
+    production: Checkpoint, since: datetime, end: datetime | None
+) -> ColumnElement[bool]:
+    """Which samples a cycle may learn from, for a query that joins each to its reward: those
+    `production` served in its cohort (from `since` to `end`, `cohort_end`) with a final
+    reward, trainable, not in privacy mode, served to the end (`ok`), with logged tokens,
+    and of no erased user."""
+    return and_(
+        Sample.checkpoint == production.name,
+        Sample.served_at >= since,
+        true() if end is None else Sample.served_at < end,
+        Sample.trainable.is_(True),
+        Sample.privacy.is_(False),
+        Sample.status == "ok",
+        Reward.served_at >= since,  # the same day partitions as the samples
+        Reward.finalized_at.is_not(None),
+        func.cardinality(Sample.completion_token_ids) > 0,
+        func.cardinality(Sample.prompt_token_ids) > 0,
+        not_erased(),
+    )
+
+
 def select_on_policy_batch(
     session: Session, production: Checkpoint, *, max_samples: int, withheld_percent: int = 0
 ) -> OnPolicyBatch:
@@ -150,19 +173,9 @@ def select_on_policy_batch(
         )
         .join(Reward, Reward.sample_id == Sample.id)
         .where(
-            Sample.checkpoint == production.name,
-            Sample.served_at >= since,
-            true() if end is None else Sample.served_at < end,
-            Sample.trainable.is_(True),
-            Sample.privacy.is_(False),
-            Sample.status == "ok",
-            Reward.served_at >= since,
-            Reward.finalized_at.is_not(None),
+            production_samples(production, since, end),
             Reward.reward.is_not(None),
-            func.cardinality(Sample.completion_token_ids) > 0,
-            func.cardinality(Sample.prompt_token_ids) > 0,
             ~withheld(withheld_percent),
-            not_erased(),
         )
         .order_by(Sample.served_at.desc(), Sample.id.desc())  # one order: a seed repeats a run
         .limit(max_samples)

@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from sqlalchemy import Engine, func, select, true
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from app.db import session_scope
 from app.models import Checkpoint, Reward, Sample
 from app.serving.parity import completion_logprobs
 from trainer.config import TrainConfig
-from trainer.data import cohort_end, not_erased, withheld
+from trainer.data import cohort_end, production_samples, withheld
 from trainer.ope import normalized_weights, predict_ratio, sequence_log_weights
 
 PREDICTED_METRICS = ("mean_reward", "kept", "malformed_call_rate", "dissatisfied_rate")
@@ -96,19 +96,9 @@ def prediction_slice(
         )
         .join(Reward, Reward.sample_id == Sample.id)
         .where(
-            Sample.checkpoint == production.name,
-            Sample.served_at >= since,
-            true() if end is None else Sample.served_at < end,
-            Sample.trainable.is_(True),
-            Sample.privacy.is_(False),
-            Sample.status == "ok",
+            production_samples(production, since, end),
             Sample.temperature > 0,  # a greedy answer has no probability to weigh
-            Reward.served_at >= since,
-            Reward.finalized_at.is_not(None),
-            func.cardinality(Sample.completion_token_ids) > 0,
-            func.cardinality(Sample.prompt_token_ids) > 0,
             withheld(percent),
-            not_erased(),
         )
         .order_by(Sample.served_at.desc(), Sample.id.desc())
         .limit(limit)

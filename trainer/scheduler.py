@@ -19,7 +19,7 @@ from app.heartbeat import Heartbeat
 from app.registry.routing import notify_routing_changed_sync
 from app.registry.schedule import claim_cycle
 from trainer.config import TrainConfig
-from trainer.cycle import TRAINER_ACTOR, follow_cycle, run_locked_cycle
+from trainer.cycle import TRAINER_ACTOR, CycleContext, follow_cycle, run_locked_cycle
 from trainer.distributed import SINGLE, World, share
 from trainer.evaluate import HeldOut
 from trainer.lock import CycleBusy, trainer_lock
@@ -92,16 +92,17 @@ def lead_scheduler(
                     continue
                 log.info("cycle taken (%s); the next is due at %s", claim.trigger, claim.due_at)
                 share("cycle", world)
-                result = run_locked_cycle(
+                cycle = CycleContext(
                     settings,
                     config,
-                    engine=engine,
-                    held_out=held_out,
+                    engine,
+                    held_out,
                     progress=progress,
                     on_published=lambda: notify_routing_changed_sync(settings.redis_url),
                     trigger=claim.trigger,
                     world=world,
                 )
+                result = run_locked_cycle(cycle)
                 log.info(
                     "cycle finished: run %s %s %s",
                     result.run_id,

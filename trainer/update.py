@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,14 @@ from trainer.data import TrainingSample
 from trainer.distributed import SINGLE, World, gather_shards, shard, sum_over_ranks
 from trainer.loss import LossStats, advantages, policy_gradient_loss
 from trainer.policy import policy_dtype
-from trainer.sequences import RowBatch, RowLayout, layout_rows, row_batch, row_logprobs
+from trainer.sequences import (
+    RowBatch,
+    RowLayout,
+    TrainingRow,
+    layout_rows,
+    row_batch,
+    row_logprobs,
+)
 
 CPU = torch.device("cpu")
 
@@ -125,67 +133,17 @@ def update_policy(
     denominator and the KL penalty's anchor. Each turn's tokens carry its own advantage and
     its own behaviour logprobs, whichever row it is in."""
     layout = layout_rows(samples, config.layout)
-    rows = layout.rows
-    lengths = [len(row.token_ids) for row in rows]
-    turns = [len(row.turns) for row in rows]
-    trained = [sum(len(samples[i].completion_token_ids) for i in row.turns) for row in rows]
-    advantage = advantages(samples, config.baseline)
-    behaviour = [s.behaviour_logprobs for s in samples]
-
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    ddp = None
-    if world.distributed:
-        # Every rank loaded the same weights; only the LoRA must be identical to start, and
-        # buffers (rotary tables) are never broadcast, so ranks may run unequal micro-batches.
-        for parameter in trainable:
-            dist.broadcast(parameter.data, src=0)
-        ddp = DistributedDataParallel(
-            policy,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            init_sync=False,
-            forward_sync_buffers=False,
-        )
-    model = ddp or policy
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
-    # fp16 activations underflow in the backward pass without loss scaling. A cycle takes few
-    # steps: start at a scale that seldom overflows (2^16 skipped the first step of three).
-    scaler = torch.amp.GradScaler(
-        device.type, init_scale=2.0**10, enabled=policy_dtype(config, device) == "fp16"
-    )
+    feed = RowFeed.of(samples, old_logprobs, layout, config)
+    learner = Learner.of(policy, config, device, world)
     generator = torch.Generator().manual_seed(config.seed)
     totals = [0.0] * (len(STAT_NAMES) + 1)  # token-weighted sums of each stat, then tokens
     steps, started = 0, time.perf_counter()
     policy.train()
     for epoch in range(config.epochs):
         epoch_totals = [0.0] * len(totals)
-        order = torch.randperm(len(rows), generator=generator).tolist()
-        for minibatch in minibatches(order, turns, config.minibatch_size):
-            minibatch_tokens = sum(trained[r] for r in minibatch)
-            mine = minibatch[world.rank :: world.size]
-            # A rank with no sample in a small last minibatch still joins the gradient
-            # all-reduce, with a sample whose loss counts zero.
-            weight = world.size / max(minibatch_tokens, 1) if mine else 0.0
-            groups = micro_batches(mine or minibatch[:1], lengths, config.micro_batch_tokens)
-            optimizer.zero_grad()
-            for number, group in enumerate(groups):
-                batch = row_batch([rows[r] for r in group], samples)
-                # Gradients are all-reduced once per step, on its last micro-batch.
-                last = number == len(groups) - 1
-                with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
-                    loss, stats = rows_loss(
-                        model, batch, old_logprobs, behaviour, advantage, config, device
-                    )
-                    micro_tokens = int(batch.trained.sum())
-                    scaler.scale(loss * micro_tokens * weight).backward()
-                if weight:
-                    values = [getattr(stats, name) for name in STAT_NAMES]
-                    for k, value in enumerate(values):
-                        epoch_totals[k] += value * micro_tokens
-                    epoch_totals[-1] += micro_tokens
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
+        order = torch.randperm(len(feed.rows), generator=generator).tolist()
+        for minibatch in minibatches(order, feed.turns, config.minibatch_size):
+            learner.step(feed, minibatch, config, device, world, epoch_totals)
             steps += 1
         epoch_totals = sum_over_ranks(epoch_totals, world)
         totals = [a + b for a, b in zip(totals, epoch_totals, strict=True)]
@@ -200,10 +158,127 @@ def update_policy(
     return {
         **{name: totals[k] / tokens for k, name in enumerate(STAT_NAMES)},
         "optimizer_steps": steps,
-        "rows": len(rows),
+        "rows": len(feed.rows),
         "merge_breaks": layout.breaks,
         "tokens_fed": layout.tokens_fed * config.epochs,
         "tokens": totals[-1],
         "tokens_per_s": totals[-1] / elapsed if elapsed > 0 else 0.0,
         "update_seconds": elapsed,
     }
+
+
+@dataclass(frozen=True)
+class RowFeed:
+    """The batch as the update feeds it: its rows, and per row its padded length, its number
+    of turns and its trained tokens; per sample its advantage and logprobs."""
+
+    samples: list[TrainingSample]
+    rows: list[TrainingRow]
+    lengths: list[int]
+    turns: list[int]
+    trained: list[int]
+    advantage: torch.Tensor
+    old_logprobs: list[list[float]]
+    behaviour: list[list[float]]
+
+    @classmethod
+    def of(
+        cls,
+        samples: list[TrainingSample],
+        old_logprobs: list[list[float]],
+        layout: RowLayout,
+        config: TrainConfig,
+    ) -> RowFeed:
+        rows = layout.rows
+        return cls(
+            samples=samples,
+            rows=rows,
+            lengths=[len(row.token_ids) for row in rows],
+            turns=[len(row.turns) for row in rows],
+            trained=[sum(len(samples[i].completion_token_ids) for i in row.turns) for row in rows],
+            advantage=advantages(samples, config.baseline),
+            old_logprobs=old_logprobs,
+            behaviour=[s.behaviour_logprobs for s in samples],
+        )
+
+
+@dataclass
+class Learner:
+    """What takes the optimizer steps: the model (wrapped in DDP across ranks), its trainable
+    (LoRA) parameters, AdamW, and the loss scaler fp16 needs."""
+
+    model: torch.nn.Module
+    ddp: DistributedDataParallel | None
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+    @classmethod
+    def of(
+        cls, policy: torch.nn.Module, config: TrainConfig, device: torch.device, world: World
+    ) -> Learner:
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        ddp = None
+        if world.distributed:
+            # Every rank loaded the same weights; only the LoRA must be identical to start, and
+            # buffers (rotary tables) are never broadcast, so ranks may run unequal micro-batches.
+            for parameter in trainable:
+                dist.broadcast(parameter.data, src=0)
+            ddp = DistributedDataParallel(
+                policy,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                init_sync=False,
+                forward_sync_buffers=False,
+            )
+        optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
+        # fp16 activations underflow in the backward pass without loss scaling. A cycle takes few
+        # steps: start at a scale that seldom overflows (2^16 skipped the first step of three).
+        scaler = torch.amp.GradScaler(
+            device.type, init_scale=2.0**10, enabled=policy_dtype(config, device) == "fp16"
+        )
+        return cls(ddp or policy, ddp, trainable, optimizer, scaler)
+
+    def step(
+        self,
+        feed: RowFeed,
+        minibatch: list[int],
+        config: TrainConfig,
+        device: torch.device,
+        world: World,
+        totals: list[float],
+    ) -> None:
+        """One optimizer step on a minibatch of rows, this rank's share in micro-batches;
+        adds each statistic's token-weighted sum, then the tokens, to `totals`."""
+        minibatch_tokens = sum(feed.trained[r] for r in minibatch)
+        mine = minibatch[world.rank :: world.size]
+        # A rank with no sample in a small last minibatch still joins the gradient
+        # all-reduce, with a sample whose loss counts zero.
+        weight = world.size / max(minibatch_tokens, 1) if mine else 0.0
+        groups = micro_batches(mine or minibatch[:1], feed.lengths, config.micro_batch_tokens)
+        self.optimizer.zero_grad()
+        for number, group in enumerate(groups):
+            batch = row_batch([feed.rows[r] for r in group], feed.samples)
+            # Gradients are all-reduced once per step, on its last micro-batch.
+            last = number == len(groups) - 1
+            ddp = self.ddp
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                loss, stats = rows_loss(
+                    self.model,
+                    batch,
+                    feed.old_logprobs,
+                    feed.behaviour,
+                    feed.advantage,
+                    config,
+                    device,
+                )
+                micro_tokens = int(batch.trained.sum())
+                self.scaler.scale(loss * micro_tokens * weight).backward()
+            if weight:
+                values = [getattr(stats, name) for name in STAT_NAMES]
+                for k, value in enumerate(values):
+                    totals[k] += value * micro_tokens
+                totals[-1] += micro_tokens
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.trainable, config.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()

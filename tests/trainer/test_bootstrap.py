@@ -28,6 +28,9 @@ SAVED_FILES = (
     "SHA256SUMS",
 )
 
+# Every test here reads a base trained from scratch (three builds in all).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def bootstrapped(tmp_path_factory: pytest.TempPathFactory) -> BootstrapReport:

@@ -163,6 +163,7 @@ def published_checkpoints(engine: Engine) -> list[str]:
         return list(session.scalars(select(Checkpoint.name).where(Checkpoint.name != "base")))
 
 
+@pytest.mark.slow
 def test_a_cycle_makes_the_rewarded_behaviour_more_frequent(
     registry: Engine,
     vllm_server: VllmServer,
@@ -311,6 +312,7 @@ def test_drift_between_serving_and_training_refuses_to_train(
     assert published_checkpoints(registry) == []
 
 
+@pytest.mark.slow
 def test_a_healthy_bf16_cycle_trains_where_fp32_limits_would_refuse_it(
     registry: Engine,
     vllm_server: VllmServer,
@@ -367,6 +369,7 @@ def test_logprobs_of_another_checkpoint_are_refused_in_bf16_too(
     assert published_checkpoints(registry) == []
 
 
+@pytest.mark.slow
 def test_a_candidate_that_fails_the_eval_gate_is_not_published(
     registry: Engine,
     vllm_server: VllmServer,
@@ -398,6 +401,7 @@ class ProcessDied(BaseException):
     """Stands in for the trainer being killed: no `except Exception` handler runs."""
 
 
+@pytest.mark.slow
 def test_a_crash_between_saving_and_registering_leaves_nothing_half_published(
     registry: Engine,
     vllm_server: VllmServer,
@@ -429,6 +433,7 @@ def test_a_crash_between_saving_and_registering_leaves_nothing_half_published(
     assert published_checkpoints(registry) == [result.checkpoint]
 
 
+@pytest.mark.slow
 def test_a_newer_candidate_supersedes_the_canary_and_a_repeat_without_new_samples_skips(
     registry: Engine,
     vllm_server: VllmServer,

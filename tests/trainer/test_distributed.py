@@ -87,7 +87,12 @@ def test_two_ranks_make_the_update_one_rank_makes(
     for name, value in TRAIN_ENV.items():
         monkeypatch.setenv(name, value)
     config = train_config_from_env()
-    one = run_cycle(settings, config, engine=registry, held_out=held_out_for(config, registry))
+    one = run_cycle(
+        settings,
+        config,
+        engine=registry,
+        held_out=held_out_for(config, registry, settings.base_model_path),
+    )
 
     command = [*TORCHRUN, "-m", "rtrl.cli", "train", "--once"]
     environment = {**os.environ, **settings_environment(settings), **TRAIN_ENV}

@@ -34,7 +34,9 @@ def test_pairs_passed_is_the_share_of_pairs_ranked_right() -> None:
 
 
 def test_the_gate_is_chosen_by_the_setting(registry: Engine) -> None:
-    assert isinstance(held_out_for(fast_config(), registry), TaskFamilyHeldOut)
+    assert isinstance(
+        held_out_for(fast_config(eval_gate="task_family"), registry), TaskFamilyHeldOut
+    )
     gate = held_out_for(fast_config(eval_gate="logged_traffic", eval_traffic_percent=20), registry)
     assert isinstance(gate, LoggedTrafficHeldOut) and gate.withheld_percent == 20
 

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from sqlalchemy import Engine, text
 from transformers import PreTrainedTokenizerFast
 
@@ -31,6 +32,7 @@ from tests.trainer.conftest import (
 from trainer.generation import prompt_ids
 
 
+@pytest.mark.slow
 def test_a_trainer_killed_mid_cycle_does_not_stall_the_schedule(
     registry: Engine,
     stack: EmbeddedStack,

@@ -80,7 +80,7 @@ def samples(tiny_model_dir: Path) -> list[TrainingSample]:
     drafts = agent_batch()
     torch.manual_seed(CONFIG.seed)
     policy = load_trainable_policy(tiny_model_dir, None, CONFIG, torch.device("cpu"))
-    logged = sharded_logprobs(policy, drafts, dataclasses.replace(CONFIG, layout="stepwise"))
+    logged = sharded_logprobs(policy, drafts, CONFIG.model_copy(update={"layout": "stepwise"}))
     noise = random.Random(1)
     return [
         dataclasses.replace(s, behaviour_logprobs=[v + noise.gauss(0, 0.2) for v in lp])
@@ -108,7 +108,7 @@ def loss_and_gradient(
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """One minibatch of the whole batch in `layout`, micro-batched under `budget` padded
     tokens as the update does: its token-mean loss and the LoRA's gradient."""
-    config = dataclasses.replace(CONFIG, layout=layout, clip_epsilon=0.2, kl_coef=0.1)
+    config = CONFIG.model_copy(update={"layout": layout, "clip_epsilon": 0.2, "kl_coef": 0.1})
     policy = fresh_policy(model_dir)
     rows = layout_rows(samples, layout).rows
     advantage = advantages(samples, config.baseline)
@@ -142,7 +142,7 @@ def test_merged_rows_give_the_step_wise_logprobs_drift_loss_and_gradient(
 
     policy = fresh_policy(tiny_model_dir)
     logprobs = {
-        layout: sharded_logprobs(policy, samples, dataclasses.replace(CONFIG, layout=layout))
+        layout: sharded_logprobs(policy, samples, CONFIG.model_copy(update={"layout": layout}))
         for layout in ("merged", "stepwise")
     }
     for ours, theirs, sample in zip(logprobs["merged"], logprobs["stepwise"], samples, strict=True):
@@ -188,7 +188,7 @@ def test_an_update_moves_the_policy_alike_in_either_layout(
     """One optimizer step over the whole batch: the same step, whichever rows fed it."""
     moved = {}
     for layout in ("merged", "stepwise"):
-        config = dataclasses.replace(CONFIG, layout=layout)
+        config = CONFIG.model_copy(update={"layout": layout})
         policy = fresh_policy(tiny_model_dir)
         old = sharded_logprobs(policy, samples, config)
         stats = update_policy(policy, samples, old, config, torch.device("cpu"), print)

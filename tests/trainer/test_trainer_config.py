@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from app.config import SettingsError
 from trainer.config import (
@@ -25,9 +26,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
-def test_defaults_are_the_dataclass_defaults_and_every_knob_has_a_variable() -> None:
+def test_defaults_are_the_config_defaults_and_every_knob_has_a_variable() -> None:
     assert train_config_from_env() == TrainConfig()
-    assert set(TrainSettings.model_fields) == set(TrainConfig().as_dict())
+    assert set(TrainSettings.model_fields) == set(TrainConfig.model_fields)
+    assert all(field.description for field in TrainConfig.model_fields.values())
 
 
 def test_environment_sets_the_knobs_and_flags_override_them(
@@ -52,7 +54,7 @@ def test_environment_sets_the_knobs_and_flags_override_them(
     assert (config.lora_rank, config.lora_alpha) == (8, 16)
     assert config.lora_target_modules == ["q_proj", "v_proj"]
     assert config.learning_rate == 3e-4  # the flag wins
-    assert config.epochs == TrainConfig.epochs  # a flag not given changes nothing
+    assert config.epochs == TrainConfig().epochs  # a flag not given changes nothing
     assert config.micro_batch_tokens == 16384 and config.gradient_checkpointing
     assert config.drift_kl == 0.05 and config.drift_max_abs == float("inf")
     assert config.drift_mean_abs is None  # the dtype's default
@@ -66,6 +68,15 @@ def test_a_caller_with_its_own_defaults_keeps_them_unless_a_variable_is_set(
     monkeypatch.setenv("RTRL_TRAIN_EPOCHS", "1")
     config = with_explicit_settings(demo)
     assert (config.learning_rate, config.epochs) == (2e-3, 1)
+
+
+def test_a_config_built_in_code_is_held_to_the_same_bounds_and_names() -> None:
+    with pytest.raises(ValidationError, match="epochs"):
+        TrainConfig(epochs=0)
+    with pytest.raises(ValidationError, match="learning_rte"):
+        TrainConfig(learning_rte=1e-3)  # type: ignore[call-arg]
+    copy = TrainConfig().model_copy(update={"seed": 3})
+    assert copy.seed == 3 and copy.epochs == TrainConfig().epochs
 
 
 @pytest.mark.parametrize(

@@ -74,15 +74,15 @@ def test_the_token_budget_and_gradient_checkpointing_leave_the_update_unchanged(
     tiny_model_dir: Path, samples: list[TrainingSample]
 ) -> None:
     whole = trained_lora(
-        tiny_model_dir, samples, dataclasses.replace(CONFIG, micro_batch_tokens=1 << 20)
+        tiny_model_dir, samples, CONFIG.model_copy(update={"micro_batch_tokens": 1 << 20})
     )
     split = trained_lora(
-        tiny_model_dir, samples, dataclasses.replace(CONFIG, micro_batch_tokens=64)
+        tiny_model_dir, samples, CONFIG.model_copy(update={"micro_batch_tokens": 64})
     )
     checkpointed = trained_lora(
         tiny_model_dir,
         samples,
-        dataclasses.replace(CONFIG, micro_batch_tokens=64, gradient_checkpointing=True),
+        CONFIG.model_copy(update={"micro_batch_tokens": 64, "gradient_checkpointing": True}),
     )
     moved = max(float(t.abs().max()) for n, t in whole.items() if "lora_B" in n)
     assert moved > 1e-4  # B starts at zero: the step did something
@@ -97,7 +97,7 @@ def test_the_token_budget_and_gradient_checkpointing_leave_the_update_unchanged(
 def test_bf16_keeps_the_lora_and_its_steps_in_fp32(
     tiny_model_dir: Path, samples: list[TrainingSample]
 ) -> None:
-    config = dataclasses.replace(CONFIG, dtype="bf16")
+    config = CONFIG.model_copy(update={"dtype": "bf16"})
     policy = load_trainable_policy(tiny_model_dir, None, config, torch.device("cpu"))
     dtypes = {p.dtype for p in policy.parameters() if p.requires_grad}
     frozen = {p.dtype for p in policy.parameters() if not p.requires_grad}
@@ -112,7 +112,7 @@ def test_fp16_with_loss_scaling_takes_the_fp32_steps(
     """No step lost to a loss-scale overflow: B (zero at the start) moved as fp32's did, up to
     the few elements whose near-zero gradient Adam turns into a step of either sign."""
     fp32 = trained_lora(tiny_model_dir, samples, CONFIG)
-    fp16 = trained_lora(tiny_model_dir, samples, dataclasses.replace(CONFIG, dtype="fp16"))
+    fp16 = trained_lora(tiny_model_dir, samples, CONFIG.model_copy(update={"dtype": "fp16"}))
     b = [name for name in fp32 if "lora_B" in name]
     difference = sum(float((fp16[n] - fp32[n]).norm() ** 2) for n in b) ** 0.5
     moved = sum(float(fp32[n].norm() ** 2) for n in b) ** 0.5
@@ -126,7 +126,7 @@ def test_the_kl_penalty_holds_the_update_nearer_production_and_is_recorded(
     device = torch.device("cpu")
     moved = {}
     for kl_coef in (0.0, 1.0):
-        config = dataclasses.replace(CONFIG, epochs=4, kl_coef=kl_coef)
+        config = CONFIG.model_copy(update={"epochs": 4, "kl_coef": kl_coef})
         torch.manual_seed(config.seed)
         policy = load_trainable_policy(tiny_model_dir, None, config, device)
         production = sharded_logprobs(policy, samples, config)

@@ -12,8 +12,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from multiprocessing.process import BaseProcess as SpawnProcess
 from types import FrameType
 from typing import Any
@@ -38,6 +38,7 @@ from app.client_events.router import router as adapters_router
 from app.config import Settings, get_settings, refuse_development_secrets
 from app.db import make_async_engine
 from app.feedback.router import router as feedback_router
+from app.gateway.chat import router as chat_router
 from app.gateway.in_flight import InFlight
 from app.gateway.router import router as gateway_router
 from app.gateway.routing_cache import RoutingCache
@@ -46,6 +47,7 @@ from app.gateway.sink import EventSink
 from app.gateway.spool import Retention
 from app.gateway.upstream import Upstream
 from app.http.errors import BodySizeLimit, install_error_handlers
+from app.http.state import AppState, app_state, install_app_state
 from app.kafka.clients import kafka_security
 from app.observability import RequestObservability, configure_logging
 from app.shutdown import DrainingServer, Shutdown, ShutdownGate
@@ -68,6 +70,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     refuse_development_secrets(settings)
     shutdown = Shutdown(settings.shutdown_drain.total_seconds())
+    app = FastAPI(
+        title="rtrl gateway",
+        lifespan=_lifespan(settings, shutdown),
+        docs_url=None,
+        redoc_url=None,
+    )
+    # Read by the server before the lifespan starts: it begins the drain on SIGTERM.
+    app.state.shutdown = shutdown
+    _include_routes(app)
+    install_error_handlers(app)
+    _add_middleware(app, settings, shutdown)
+    return app
+
+
+def _lifespan(
+    settings: Settings, shutdown: Shutdown
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Open the app's connections and parts (`AppState`) as it starts; close them as it
+    stops, handing the events Kafka has not taken to the spool."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,26 +115,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             sink.start()
             await routing.start()
-            app.state.settings = settings
-            app.state.session_maker = session_maker
-            app.state.exports = exports
-            app.state.redis = redis
-            app.state.sink = sink
-            app.state.authenticator = Authenticator(
-                session_maker, failures_per_minute=settings.auth_failures_per_minute
-            )
-            app.state.browser_sessions = BrowserSessions(redis)
-            app.state.rate_limiter = RateLimiter(redis, settings.rate_limit_per_minute)
-            app.state.in_flight = InFlight(
-                settings.max_in_flight_per_key, expire_s=2 * settings.upstream_timeout_s
-            )
-            app.state.gateway = Gateway(
-                upstream=upstream,
-                routing=routing,
-                sink=sink,
-                redis=redis,
+            state = AppState(
+                settings=settings,
                 session_maker=session_maker,
+                redis=redis,
+                sink=sink,
+                exports=exports,
+                authenticator=Authenticator(
+                    session_maker, failures_per_minute=settings.auth_failures_per_minute
+                ),
+                browser_sessions=BrowserSessions(redis),
+                rate_limiter=RateLimiter(redis, settings.rate_limit_per_minute),
+                in_flight=InFlight(
+                    settings.max_in_flight_per_key, expire_s=2 * settings.upstream_timeout_s
+                ),
+                gateway=Gateway(
+                    upstream=upstream,
+                    routing=routing,
+                    sink=sink,
+                    redis=redis,
+                    session_maker=session_maker,
+                ),
             )
+            install_app_state(app, state)
             yield
         finally:
             await routing.stop()
@@ -124,14 +148,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await exports.aclose()
             await engine.dispose()
 
-    app = FastAPI(
-        title="rtrl gateway",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-    )
-    app.state.shutdown = shutdown
+    return lifespan
+
+
+def _include_routes(app: FastAPI) -> None:
+    """Every router of the API, then the probes and metrics, which the schema leaves out."""
     app.include_router(gateway_router)
+    app.include_router(chat_router)
     app.include_router(feedback_router)
     app.include_router(adapters_router)
     app.include_router(admin_router)
@@ -140,11 +163,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
     app.add_api_route("/readyz", readyz, methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
-    install_error_handlers(app)
+
+
+def _add_middleware(app: FastAPI, settings: Settings, shutdown: Shutdown) -> None:
+    """The middleware, innermost first: the body limit, the shutdown gate, then the request's
+    observability around everything."""
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(ShutdownGate, shutdown=shutdown)
     app.add_middleware(RequestObservability)
-    return app
 
 
 def run_gateway(settings: Settings | None = None, *, workers: int = 1) -> None:
@@ -169,8 +195,11 @@ def _draining_server(settings: Settings) -> DrainingServer:
     gc.freeze()
 
     def drain_spool(timeout_s: float) -> bool:
-        sink: EventSink | None = getattr(app.state, "sink", None)
-        return sink is None or sink.drain(timeout_s)
+        try:
+            sink = app_state(app).sink
+        except LookupError:  # not started: nothing spooled
+            return True
+        return sink.drain(timeout_s)
 
     config = uvicorn.Config(
         app,
@@ -260,8 +289,9 @@ async def readyz(request: Request) -> JSONResponse:
     gateway, so their state is reported, not judged: a blip of one must not take every gateway
     out of a load balancer at once (this one still answers known keys without Postgres, and a
     request no replica can answer is a 503 of its own)."""
-    state = request.app.state
-    sink: EventSink = state.sink
+    state = app_state(request.app)
+    sink = state.sink
+    shutdown: Shutdown = request.app.state.shutdown
 
     async def database() -> bool:
         async with state.session_maker() as session:
@@ -282,7 +312,7 @@ async def readyz(request: Request) -> JSONResponse:
 
     results = await asyncio.gather(*(within_timeout(c) for c in (database, redis, vllm)))
     dependencies = dict(zip(("database", "redis", "vllm"), results, strict=True))
-    stopping = state.shutdown.started
+    stopping = shutdown.started
     # Events are safe while either Kafka takes them or the spool can hold them.
     checks = {
         "events": sink.kafka_connected or os.access(sink.disk.directory, os.W_OK),

@@ -283,19 +283,6 @@ def latency_quantile(histogram: Sequence[tuple[int, int]], fraction: float) -> f
     return float(BUCKET_GROWTH ** (last_bucket + 1))
 
 
-def quantile_bucket(histogram: Sequence[tuple[int, int]], fraction: float) -> int | None:
-    """The bucket that holds the `fraction` quantile of a histogram, bucket ascending."""
-    total = sum(count for _, count in histogram)
-    if total == 0:
-        return None
-    below = 0
-    for bucket, count in histogram:
-        below += count
-        if below >= fraction * total:
-            return bucket
-    return histogram[-1][0]
-
-
 def bucket_of(latency_ms: float) -> int:
     """The histogram bucket of a latency, as the rollup SQL computes it."""
     return math.floor(math.log(max(latency_ms, 1.0)) / math.log(BUCKET_GROWTH))

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
 from functools import partial
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import anyio
 from fastapi import APIRouter, Body, Depends, Path, Query, Request
 from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from app.abtest.assignment import hash_user
 from app.abtest.guardrails import GuardrailDecision, check_guardrails_in
@@ -43,13 +44,12 @@ from app.admin.schemas import (
 )
 from app.auth import keys
 from app.auth.schemas import ApiKeyCreate, Principal
-from app.auth.service import Authenticator
-from app.auth.sessions import BrowserSessions
 from app.db import async_session_scope
 from app.history import erasure as history_erasure
 from app.history.archive import Archive
 from app.http.dependencies import require_role
 from app.http.errors import ApiError, ErrorType
+from app.http.state import app_state
 from app.models import Checkpoint, CheckpointStatus, Experiment, ExperimentStatus, Role
 from app.registry import checkpoints, experiments, flags
 from app.registry.audit import Actor, RegistryError, audit, audit_entries, audit_of
@@ -59,6 +59,8 @@ from app.registry.schemas import NAME, ExperimentCreate
 from app.serving.replicas import serve_everywhere as load_everywhere
 
 log = logging.getLogger(__name__)
+A = TypeVar("A")
+T = TypeVar("T")
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -102,7 +104,7 @@ async def change(request: Request, *, routing: bool = True) -> AsyncIterator[Asy
     """The transaction of one change; a routing change is announced once it is committed,
     so a gateway that reloads sees the new state."""
     with refusals():
-        async with async_session_scope(request.app.state.session_maker) as session:
+        async with async_session_scope(app_state(request.app).session_maker) as session:
             yield session
     if routing:
         await announce(request)
@@ -112,21 +114,31 @@ async def change(request: Request, *, routing: bool = True) -> AsyncIterator[Asy
 async def reading(request: Request) -> AsyncIterator[AsyncSession]:
     """A session for reads; an unknown target is answered 404."""
     with refusals():
-        async with request.app.state.session_maker() as session:
+        async with app_state(request.app).session_maker() as session:
             yield session
+
+
+async def _with_names(
+    request: Request, query: Callable[[Session, A], T], argument: A
+) -> tuple[T, dict[int, str]]:
+    """What `query` reads, and the names of the checkpoints it refers to by id."""
+    async with reading(request) as session:
+        found = await session.run_sync(query, argument)
+        names = await session.run_sync(checkpoints.checkpoint_names)
+    return found, names
 
 
 async def announce(request: Request) -> None:
     """Tell every gateway to reload routing; without Redis they catch up on their timer."""
     try:
-        await notify_routing_changed(request.app.state.redis)
+        await notify_routing_changed(app_state(request.app).redis)
     except (RedisError, OSError):
         log.warning("routing change not announced: Redis unavailable", exc_info=True)
 
 
 async def serve_everywhere(request: Request, checkpoint: Checkpoint) -> None:
     """Refuse (503) unless every vLLM replica serves the checkpoint, loading it where missing."""
-    settings = request.app.state.settings
+    settings = app_state(request.app).settings
     failures = await anyio.to_thread.run_sync(
         partial(
             load_everywhere,
@@ -137,13 +149,11 @@ async def serve_everywhere(request: Request, checkpoint: Checkpoint) -> None:
         )
     )
     if failures:
-        raise ApiError(
-            503,
+        raise ApiError.service_unavailable(
             f"{checkpoint.name} cannot be served by every replica, so nothing changed: "
             + "; ".join(failures),
-            type="service_unavailable",
             code="replica_unavailable",
-            headers={"Retry-After": "5"},
+            retry_after_s=5,
         )
 
 
@@ -173,9 +183,7 @@ async def list_checkpoints(
     request: Request, _: Ops, status: CheckpointStatus | None = None
 ) -> list[CheckpointOut]:
     """Every checkpoint, newest first, optionally of one status."""
-    async with reading(request) as session:
-        found = await session.run_sync(checkpoints.list_checkpoints, status)
-        names = await session.run_sync(checkpoints.checkpoint_names)
+    found, names = await _with_names(request, checkpoints.list_checkpoints, status)
     return [_checkpoint_out(checkpoint, names) for checkpoint in found]
 
 
@@ -301,17 +309,13 @@ async def list_experiments(
     request: Request, _: Ops, status: ExperimentStatus | None = None
 ) -> list[ExperimentOut]:
     """Experiments, newest first, optionally of one status."""
-    async with reading(request) as session:
-        found = await session.run_sync(experiments.list_experiments, status)
-        names = await session.run_sync(checkpoints.checkpoint_names)
+    found, names = await _with_names(request, experiments.list_experiments, status)
     return [_experiment_out(experiment, names) for experiment in found]
 
 
 @router.get("/experiments/{experiment_id}", response_model=ExperimentOut)
 async def experiment(request: Request, _: Ops, experiment_id: ExperimentId) -> ExperimentOut:
-    async with reading(request) as session:
-        found = await session.run_sync(experiments.experiment_by_id, experiment_id)
-        names = await session.run_sync(checkpoints.checkpoint_names)
+    found, names = await _with_names(request, experiments.experiment_by_id, experiment_id)
     return _experiment_out(found, names)
 
 
@@ -398,11 +402,10 @@ async def revoke_api_key(request: Request, principal: Ops, key_id: uuid.UUID) ->
     """Revoke a key: refused here at once, by other replicas within seconds."""
     async with change(request, routing=False) as session:
         entry = await keys.revoke_api_key(session, key_id, actor_of(principal))
-    authenticator: Authenticator = request.app.state.authenticator
-    authenticator.forget(key_id)
-    sessions: BrowserSessions = request.app.state.browser_sessions
+    state = app_state(request.app)
+    state.authenticator.forget(key_id)
     try:
-        await sessions.end_all(key_id)
+        await state.browser_sessions.end_all(key_id)
     except RedisError:
         # The sessions stay, but authenticating through them fails with the revoked key.
         log.warning("dashboard sessions of %s not ended: Redis unavailable", key_id)
@@ -486,7 +489,7 @@ async def erase_user(request: Request, principal: Ops, body: UserErasure) -> Use
     """Erase a user's samples, feedback and rewards from Postgres and the archive, take them
     out of the rollups, and keep their redelivered events and running training cycles from
     bringing them back."""
-    settings = request.app.state.settings
+    settings = app_state(request.app).settings
     user_hash = hash_user(settings.user_hash_secret.get_secret_value(), body.user_id)
     now = datetime.now(UTC)
     try:
@@ -503,11 +506,9 @@ async def erase_user(request: Request, principal: Ops, body: UserErasure) -> Use
             )
             await session.flush()
     except OSError as exc:
-        raise ApiError(
-            503,
+        raise ApiError.service_unavailable(
             f"The archive cannot be rewritten, so nothing was erased: {exc}",
-            type="service_unavailable",
             code="archive_unavailable",
-            headers={"Retry-After": "60"},
+            retry_after_s=60,
         ) from None
     return UserErased(user_hash=user_hash, erased_at=now, audit_id=entry.id, **asdict(erased))

@@ -18,10 +18,10 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 
 from app.analytics.dependencies import ANALYTICS_ROLES, SESSION_COOKIE, analyst
 from app.auth.service import hash_secret
-from app.auth.sessions import SESSION_SECONDS, BrowserSessions
-from app.config import Settings
+from app.auth.sessions import SESSION_SECONDS
 from app.http.dependencies import principal_for
 from app.http.errors import ApiError
+from app.http.state import app_state
 
 router = APIRouter(tags=["dashboard"])
 
@@ -99,10 +99,9 @@ async def login(request: Request) -> Response:
     responses={303: _REDIRECT},
 )
 async def logout(request: Request) -> Response:
-    sessions: BrowserSessions = request.app.state.browser_sessions
     session_id = request.cookies.get(SESSION_COOKIE)
     if session_id:
-        await sessions.close(session_id)
+        await app_state(request.app).browser_sessions.close(session_id)
     response = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response
@@ -137,7 +136,7 @@ async def _sign_in(request: Request, key: str) -> Response:
         return _login_page(
             f"This key has role {principal.role.value}; the dashboard needs analyst.", 403
         )
-    sessions: BrowserSessions = request.app.state.browser_sessions
+    sessions = app_state(request.app).browser_sessions
     session_id = await sessions.open(principal.key_id, hash_secret(key))
     response = RedirectResponse("/dashboard", status_code=303, headers=SECURITY_HEADERS)
     response.set_cookie(
@@ -154,7 +153,7 @@ async def _sign_in(request: Request, key: str) -> Response:
 
 def _secure_cookie(request: Request) -> bool:
     """Secure unless the browser reached this gateway over plain HTTP on loopback."""
-    settings: Settings = request.app.state.settings
+    settings = app_state(request.app).settings
     scheme = request.url.scheme
     if settings.trust_proxy_headers:
         scheme = request.headers.get("x-forwarded-proto", scheme).split(",")[0].strip()

@@ -12,6 +12,7 @@ from app.analytics.schemas import Window
 from app.analytics.service import read_only
 from app.http.dependencies import require_role
 from app.http.errors import ApiError
+from app.http.state import app_state
 from app.models import Role
 
 SESSION_COOKIE = "rtrl_dashboard_session"
@@ -23,7 +24,7 @@ analyst = require_role(*ANALYTICS_ROLES, cookie=SESSION_COOKIE)
 
 async def read_only_session(request: Request) -> AsyncIterator[AsyncSession]:
     """A session whose transaction cannot write."""
-    async with request.app.state.session_maker() as session:
+    async with app_state(request.app).session_maker() as session:
         await read_only(session)
         yield session
 

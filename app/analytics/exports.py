@@ -31,13 +31,11 @@ class ExportStreams:
     def take(self) -> Callable[[], None]:
         """A place for one export, and its release (idempotent); 429 when all are taken."""
         if self.running >= self.limit:
-            raise ApiError(
-                429,
+            raise ApiError.too_many_requests(
                 f"This gateway already streams {self.limit} exports (RTRL_EXPORT_STREAMS);"
                 " retry when one has finished.",
-                type="rate_limit_error",
                 code="too_many_exports",
-                headers={"Retry-After": "5"},
+                retry_after_s=5,
             )
         self.running += 1
         released = False

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.abtest.repository import Bucket
 from app.analytics import service
 from app.analytics.dependencies import analyst, read_only_session, window
-from app.analytics.exports import ExportResponse, ExportStreams
+from app.analytics.exports import ExportResponse
 from app.analytics.schemas import (
     ARM_NAME,
     CHECKPOINT_NAME,
@@ -27,6 +27,7 @@ from app.analytics.schemas import (
 )
 from app.analytics.scoreboard import prediction_scoreboard
 from app.http.errors import ApiError
+from app.http.state import app_state
 
 router = APIRouter(prefix="/analytics", tags=["analytics"], dependencies=[Depends(analyst)])
 
@@ -80,7 +81,7 @@ async def experiment_samples_csv(
     """One row per sample of the experiment (metrics only), streamed; a gateway streams at
     most `RTRL_EXPORT_STREAMS` at once (429 `too_many_exports` beyond), on a pool of their
     own."""
-    exports: ExportStreams = request.app.state.exports
+    exports = app_state(request.app).exports
     release = exports.take()
     try:
         async with exports.session_maker() as session:
@@ -106,7 +107,7 @@ async def checkpoint_timeseries(
     checkpoint: Annotated[list[str], Query(max_length=50)] = [],  # noqa: B006
 ) -> TimeSeries:
     """Requests, kept rate, mean reward and dissatisfied rate per checkpoint per hour or day."""
-    await service.refresh_if_stale(request.app.state.session_maker)
+    await service.refresh_if_stale(app_state(request.app).session_maker)
     for name in checkpoint:
         if not _is_checkpoint_name(name):
             raise ApiError(400, f"Invalid checkpoint name {name!r}.", param="checkpoint")
@@ -142,7 +143,7 @@ async def predictions(
     """Each candidate's A/B as predicted from production's logs before its canary, beside
     what the canary realized (treatment minus control, over users), and per metric how often
     they agreed: sign, the realized difference inside the predicted interval, error."""
-    await service.refresh_if_stale(request.app.state.session_maker)
+    await service.refresh_if_stale(app_state(request.app).session_maker)
     return await prediction_scoreboard(session, limit)
 
 
@@ -153,7 +154,7 @@ async def _results(
     time_window: Window,
     cuped: bool = False,
 ) -> ExperimentResults:
-    await service.refresh_if_stale(request.app.state.session_maker)
+    await service.refresh_if_stale(app_state(request.app).session_maker)
     try:
         return await service.experiment_results(session, experiment_id, time_window, cuped)
     except service.ExperimentNotFound:

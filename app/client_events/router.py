@@ -18,22 +18,25 @@ and counted in `rtrl_continue_events_total`; only a body that is not a Continue 
 
 from __future__ import annotations
 
-import orjson
 from fastapi import APIRouter, Depends, Request
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from app.abtest.assignment import hash_user
 from app.auth.schemas import Principal
 from app.client_events.schemas import ContinueEnvelope, ContinueEventOutcome
 from app.client_events.service import Owner, accept_continue_event
-from app.config import Settings
 from app.gateway.trajectories import run_owner
+from app.http.bodies import parse_body
 from app.http.dependencies import require_role
 from app.http.errors import ApiError
+from app.http.state import app_state
 from app.models import Role
 
 router = APIRouter(prefix="/v1/adapters", tags=["feedback"])
+
+_NOT_AN_ENVELOPE = (
+    '{where}: {error} (expected Continue\'s {{"name", "data", "schema", "level"}} envelope)'
+)
 
 
 @router.post("/continue", status_code=202, response_model=ContinueEventOutcome)
@@ -48,8 +51,9 @@ async def post_continue_event(
     follow-up; everything else is answered `ignored`. The same event posted twice is counted
     once.
     """
-    settings: Settings = request.app.state.settings
-    envelope = _envelope(await request.body())
+    state = app_state(request.app)
+    settings = state.settings
+    envelope = parse_body(await request.body(), ContinueEnvelope, message=_NOT_AN_ENVELOPE)
     user_id = request.headers.get("x-user-id") or str(principal.key_id)
     owner = Owner(
         api_key_id=principal.key_id,
@@ -60,30 +64,11 @@ async def post_continue_event(
     )
     try:
         return await accept_continue_event(
-            request.app.state.redis, request.app.state.sink, owner, envelope.name, envelope.data
+            state.redis, state.sink, owner, envelope.name, envelope.data
         )
     except RedisError:
-        raise ApiError(
-            503,
+        raise ApiError.service_unavailable(
             "The event cannot be joined right now; Continue does not retry, so it is lost.",
-            type="service_unavailable",
             code="redis_unavailable",
-            headers={"Retry-After": "1"},
-        ) from None
-
-
-def _envelope(raw: bytes) -> ContinueEnvelope:
-    try:
-        return ContinueEnvelope.model_validate(orjson.loads(raw))
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
-        raise ApiError(
-            422,
-            f"{param or 'body'}: {error['msg']} (expected Continue's "
-            '{"name", "data", "schema", "level"} envelope)',
-            code="invalid_body",
-            param=param,
+            retry_after_s=1,
         ) from None

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import orjson
 from fastapi import APIRouter, Depends, Request
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from app.auth.schemas import Principal
-from app.config import Settings
 from app.feedback.schemas import FeedbackAccepted, FeedbackBatch
 from app.feedback.service import accept_feedback
+from app.http.bodies import parse_body
 from app.http.dependencies import require_role
 from app.http.errors import ApiError
+from app.http.state import app_state
 from app.models import Role
 
 router = APIRouter(prefix="/v1", tags=["feedback"])
@@ -29,8 +28,9 @@ async def post_feedback(
     messages on a privacy-mode completion (or sent with `X-Rtrl-Privacy: 1`, or by a
     privacy-mode key) are classified here and their text is dropped.
     """
-    settings: Settings = request.app.state.settings
-    batch = _batch(await request.body())
+    state = app_state(request.app)
+    settings = state.settings
+    batch = parse_body(await request.body(), FeedbackBatch)
     if len(batch.events) > settings.max_feedback_batch:
         raise ApiError(
             413,
@@ -43,30 +43,15 @@ async def post_feedback(
     privacy = principal.privacy_mode or request.headers.get("x-rtrl-privacy") == "1"
     try:
         return await accept_feedback(
-            request.app.state.redis,
-            request.app.state.sink,
+            state.redis,
+            state.sink,
             batch.events,
             api_key_id=principal.key_id,
             privacy=privacy,
         )
     except RedisError:
-        raise ApiError(
-            503,
+        raise ApiError.service_unavailable(
             "Feedback cannot be checked right now; retry the batch (it is idempotent).",
-            type="service_unavailable",
             code="redis_unavailable",
-            headers={"Retry-After": "1"},
-        ) from None
-
-
-def _batch(raw: bytes) -> FeedbackBatch:
-    try:
-        return FeedbackBatch.model_validate(orjson.loads(raw))
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
-        raise ApiError(
-            422, f"{param or 'body'}: {error['msg']}", code="invalid_body", param=param
+            retry_after_s=1,
         ) from None

@@ -33,13 +33,11 @@ class InFlight:
         for ticket in [t for t, deadline in places.items() if deadline <= now]:
             del places[ticket]
         if len(places) >= self.limit:
-            raise ApiError(
-                429,
+            raise ApiError.too_many_requests(
                 f"This API key already has {self.limit} requests in flight on this gateway;"
                 " wait for one to finish.",
-                type="rate_limit_error",
                 code="too_many_requests_in_flight",
-                headers={"Retry-After": "1"},
+                retry_after_s=1,
             )
         ticket = next(self._tickets)
         places[ticket] = now + self.expire_s

@@ -73,6 +73,8 @@ REQUEST_ID_TTL_S = 6 * 3600
 accepted. Uniqueness has no window: past it, Postgres' samples still refuse a reused id."""
 # vLLM extension fields the gateway always asks for and hides unless the client asked too.
 _TOKEN_ID_FIELDS = ("prompt_token_ids", "prompt_text")
+_UPSTREAM_FAILURES = (UpstreamUnavailable, UpstreamBusy, *BROKEN)
+"""What calling vLLM raises when it could not be asked or failed on the way."""
 
 
 class Unserved(ApiError):
@@ -284,12 +286,10 @@ class Gateway:
             )
         except RedisError:
             log.warning("request id %s not recorded: Redis unavailable; refused", request_id)
-            raise Unserved(
-                503,
+            raise Unserved.service_unavailable(
                 "The request cannot be recorded right now; retry shortly.",
-                type="service_unavailable",
                 code="request_id_unavailable",
-                headers={"Retry-After": "1"},
+                retry_after_s=1,
             ) from None
         if not fresh:
             raise _duplicate(request_id)
@@ -439,13 +439,8 @@ class Gateway:
                 reply = await self.upstream.post(
                     CHAT_PATH, self.upstream_body(call, assignment.checkpoint)
                 )
-        except UpstreamUnavailable as exc:
-            raise self._unavailable(exc) from exc
-        except UpstreamBusy as exc:
-            raise self._busy(exc) from exc
-        except BROKEN as exc:
-            self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
-            raise ApiError(502, "The model server failed mid-request.", type="api_error") from exc
+        except _UPSTREAM_FAILURES as exc:
+            raise self._upstream_failure(call, assignment, exc) from exc
         call.upstream_wait.answer()
         if reply.status != 200:
             self._refused(call, assignment, reply.status, reply.body)
@@ -482,13 +477,8 @@ class Gateway:
                 )
             if response.status != 200:
                 self._refused(call, assignment, response.status, await response.read())
-        except UpstreamUnavailable as exc:
-            raise self._unavailable(exc) from exc
-        except UpstreamBusy as exc:
-            raise self._busy(exc) from exc
-        except BROKEN as exc:
-            self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
-            raise ApiError(502, "The model server failed mid-request.", type="api_error") from exc
+        except _UPSTREAM_FAILURES as exc:
+            raise self._upstream_failure(call, assignment, exc) from exc
         return response, assignment
 
     async def _relay(
@@ -581,26 +571,26 @@ class Gateway:
             unserved=assignment.checkpoint,
         )
 
-    def _unavailable(self, exc: UpstreamUnavailable) -> Unserved:
-        UPSTREAM_UNAVAILABLE.inc()
-        return Unserved(
-            503,
-            f"The model is unavailable: {exc}. Retry shortly.",
-            type="service_unavailable",
-            code="upstream_unavailable",
-            headers={"Retry-After": "1"},
-        )
-
-    def _busy(self, exc: UpstreamBusy) -> Unserved:
-        # Never sent to vLLM: nothing to log, and the request id is freed for the retry.
-        UPSTREAM_BUSY.inc()
-        return Unserved(
-            503,
-            f"The model server is busy: {exc} (RTRL_UPSTREAM_POOL_WAIT_S). Retry shortly.",
-            type="service_unavailable",
-            code="upstream_busy",
-            headers={"Retry-After": "1"},
-        )
+    def _upstream_failure(self, call: ChatCall, assignment: Assignment, exc: Exception) -> ApiError:
+        """The answer to a call vLLM could not take (503, nothing served, the request id
+        freed) or that broke on the way (502, logged as failed)."""
+        if isinstance(exc, UpstreamUnavailable):
+            UPSTREAM_UNAVAILABLE.inc()
+            return Unserved.service_unavailable(
+                f"The model is unavailable: {exc}. Retry shortly.",
+                code="upstream_unavailable",
+                retry_after_s=1,
+            )
+        if isinstance(exc, UpstreamBusy):
+            # Never sent to vLLM: nothing to log, and the request id is freed for the retry.
+            UPSTREAM_BUSY.inc()
+            return Unserved.service_unavailable(
+                f"The model server is busy: {exc} (RTRL_UPSTREAM_POOL_WAIT_S). Retry shortly.",
+                code="upstream_busy",
+                retry_after_s=1,
+            )
+        self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
+        return ApiError(502, "The model server failed mid-request.", type="api_error")
 
     def _refused(self, call: ChatCall, assignment: Assignment, status: int, content: bytes) -> None:
         message, param = _upstream_error(content)

@@ -1,39 +1,21 @@
-"""FastAPI dependencies every router uses: the request's database session and its caller."""
+"""FastAPI dependencies every router uses: the request's caller, within its rate limit."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 from fastapi import Request
 from redis.exceptions import RedisError
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.auth.schemas import Principal
-from app.auth.service import (
-    Authenticator,
-    AuthError,
-    AuthThrottled,
-    AuthUnavailable,
-    RateLimiter,
-)
-from app.auth.sessions import BrowserSessions
+from app.auth.service import AuthError, AuthThrottled, AuthUnavailable, RateLimiter
 from app.http.errors import ApiError
+from app.http.state import app_state
 from app.models import Role
 
 log = logging.getLogger(__name__)
-
-
-async def get_db_session(request: Request) -> AsyncIterator[AsyncSession]:
-    """The request's session: committed when the handler succeeds, rolled back otherwise."""
-    async with request.app.state.session_maker() as session:
-        try:
-            yield session
-            await session.commit()
-        except BaseException:
-            await session.rollback()
-            raise
 
 
 def bearer_secret(request: Request) -> str:
@@ -75,7 +57,7 @@ def require_role(
                 type="permission_error",
                 code="insufficient_role",
             )
-        await _within_rate_limit(request.app.state.rate_limiter, principal)
+        await _within_rate_limit(app_state(request.app).rate_limiter, principal)
         request.state.principal = principal
         return principal
 
@@ -87,25 +69,23 @@ async def principal_for(request: Request, secret: str) -> Principal:
 
     A client address that keeps presenting bad keys is answered 429 without a lookup.
     """
-    authenticator: Authenticator = request.app.state.authenticator
     client = request.client.host if request.client is not None else None
     with _authentication_errors():
-        return await authenticator.authenticate(secret, client)
+        return await app_state(request.app).authenticator.authenticate(secret, client)
 
 
 async def session_principal(request: Request, session_id: str) -> Principal:
     """The principal of a dashboard session; 401 once it expired, ended or its key was
     revoked."""
-    sessions: BrowserSessions = request.app.state.browser_sessions
-    authenticator: Authenticator = request.app.state.authenticator
+    state = app_state(request.app)
     with _authentication_errors():
         try:
-            key_hash = await sessions.key_hash(session_id)
+            key_hash = await state.browser_sessions.key_hash(session_id)
         except RedisError as exc:
             raise AuthUnavailable(str(exc)) from exc
         if key_hash is None:
             raise AuthError("session expired or ended; sign in again")
-        return await authenticator.authenticate_hash(key_hash)
+        return await state.authenticator.authenticate_hash(key_hash)
 
 
 @contextmanager
@@ -114,12 +94,10 @@ def _authentication_errors() -> Iterator[None]:
     try:
         yield
     except AuthThrottled as exc:
-        raise ApiError(
-            429,
+        raise ApiError.too_many_requests(
             "Too many failed authentications from this address; retry later.",
-            type="rate_limit_error",
             code="too_many_failed_authentications",
-            headers={"Retry-After": str(exc.retry_after_s)},
+            retry_after_s=exc.retry_after_s,
         ) from None
     except AuthError as exc:
         raise ApiError(
@@ -127,12 +105,11 @@ def _authentication_errors() -> Iterator[None]:
         ) from None
     except AuthUnavailable:
         log.warning("API key not checked: Postgres or Redis unavailable", exc_info=True)
-        raise ApiError(
-            503,
+        raise ApiError.service_unavailable(
             "API keys cannot be checked right now; retry shortly.",
             type="api_error",
             code="auth_unavailable",
-            headers={"Retry-After": "2"},
+            retry_after_s=2,
         ) from None
 
 
@@ -144,14 +121,9 @@ async def _within_rate_limit(limiter: RateLimiter, principal: Principal) -> None
         log.warning("rate limit not checked: Redis unavailable", exc_info=True)
         return
     if not decision.allowed:
-        raise ApiError(
-            429,
+        raise ApiError.too_many_requests(
             f"Rate limit of {decision.limit} requests per minute reached for this API key.",
-            type="rate_limit_error",
             code="rate_limit_exceeded",
-            headers={
-                "Retry-After": str(decision.retry_after_s),
-                "X-RateLimit-Limit": str(decision.limit),
-                "X-RateLimit-Remaining": "0",
-            },
+            retry_after_s=decision.retry_after_s,
+            headers={"X-RateLimit-Limit": str(decision.limit), "X-RateLimit-Remaining": "0"},
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import orjson
 from fastapi import FastAPI, Request
@@ -65,8 +65,47 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers or {}
 
+    @classmethod
+    def service_unavailable(
+        cls,
+        message: str,
+        *,
+        code: str,
+        retry_after_s: int,
+        type: ErrorType = "service_unavailable",
+    ) -> Self:
+        """A 503 the client may retry after `retry_after_s` seconds (`Retry-After`)."""
+        return cls(503, message, type=type, code=code, headers=_retry_after(retry_after_s))
+
+    @classmethod
+    def too_many_requests(
+        cls,
+        message: str,
+        *,
+        code: str,
+        retry_after_s: int,
+        headers: Mapping[str, str] | None = None,
+    ) -> Self:
+        """A 429 the client may retry after `retry_after_s` seconds (`Retry-After`, then
+        `headers`)."""
+        return cls(
+            429,
+            message,
+            type="rate_limit_error",
+            code=code,
+            headers=_retry_after(retry_after_s) | dict(headers or {}),
+        )
+
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+    def response(self) -> Response:
+        """The error as the client gets it."""
+        return error_response(self.status_code, self.body(), self.headers)
+
+
+def _retry_after(seconds: int) -> dict[str, str]:
+    return {"Retry-After": str(seconds)}
 
 
 def error_body(
@@ -130,8 +169,7 @@ def error_response(
 
 
 async def _send_error(send: Send, error: ApiError) -> None:
-    response = error_response(error.status_code, error.body(), error.headers)
-    await response({"type": "http"}, _no_receive, send)
+    await error.response()({"type": "http"}, _no_receive, send)
 
 
 async def _no_receive() -> Message:
@@ -140,7 +178,7 @@ async def _no_receive() -> Message:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status_code, exc.body(), exc.headers)
+    return exc.response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -162,15 +200,12 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 async def _database_unavailable(request: Request, exc: Exception) -> Response:
     # Admin and analytics read Postgres on every request; the completion path does not.
     log.warning("database unavailable: %s", str(exc).splitlines()[0])
-    return error_response(
-        503,
-        error_body(
-            "The database is unavailable; retry shortly.",
-            type="api_error",
-            code="database_unavailable",
-        ),
-        {"Retry-After": "5"},
-    )
+    return ApiError.service_unavailable(
+        "The database is unavailable; retry shortly.",
+        type="api_error",
+        code="database_unavailable",
+        retry_after_s=5,
+    ).response()
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

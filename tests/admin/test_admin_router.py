@@ -14,6 +14,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from app.db import session_scope
+from app.http.state import app_state
 from app.models import (
     Alert,
     ApiKey,
@@ -540,7 +541,7 @@ def test_a_routing_change_is_announced_to_the_gateways(
     client: TestClient, ops_key: str, add_checkpoint: Callable[..., None]
 ) -> None:
     add_checkpoint("ckpt-1")
-    listener = redis.Redis.from_url(client.app.state.settings.redis_url).pubsub()
+    listener = redis.Redis.from_url(app_state(client.app).settings.redis_url).pubsub()
     listener.subscribe(ROUTING_CHANNEL)
     try:
         assert listener.get_message(timeout=2)["type"] == "subscribe"

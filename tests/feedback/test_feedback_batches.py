@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from app.http.state import app_state
+
 MAX_BATCH = 5
 
 
@@ -76,7 +78,7 @@ def test_a_batch_the_gateway_died_before_spooling_is_taken_when_it_is_retried(
     def dies(*args: Any) -> None:
         raise RuntimeError("the gateway died here")
 
-    monkeypatch.setattr(client.app.state.sink, "publish", dies)
+    monkeypatch.setattr(app_state(client.app).sink, "publish", dies)
     with pytest.raises(RuntimeError, match="died here"):
         client.post("/v1/feedback", json={"events": batch}, headers=auth(ide_key))
     monkeypatch.undo()

@@ -17,6 +17,7 @@ from app.auth.service import hash_secret
 from app.db import session_scope
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.trajectories import Trajectories, run_owner
+from app.http.state import app_state
 from app.models import ApiKey
 from rtrl.embedded.stack import EmbeddedStack
 
@@ -209,7 +210,7 @@ def test_a_turn_whose_run_lookup_is_slower_than_the_model_still_continues_its_ru
     gateway_server: Any, ide_key: str, kafka: Any, stream: bool
 ) -> None:
     # A Redis far away or a loaded machine: the lookup of the run answers after vLLM.
-    trajectories = gateway_server.app.state.gateway.trajectories
+    trajectories = app_state(gateway_server.app).gateway.trajectories
     place = trajectories.place
 
     async def slow_place(*args: Any, **kwargs: Any) -> Any:

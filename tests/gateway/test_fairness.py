@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from app.config import Settings
+from app.http.state import app_state
 from tests.gateway.conftest import GatewayServer
 
 
@@ -37,7 +38,7 @@ def test_a_key_past_its_requests_in_flight_gets_a_429_and_others_are_served(
     make_key: Callable[..., str],
 ) -> None:
     gateway = start_gateway(gateway_settings.model_copy(update={"max_in_flight_per_key": 2}))
-    in_flight = gateway.app.state.in_flight
+    in_flight = app_state(gateway.app).in_flight
     greedy, other = make_key(), make_key()
     url = f"{gateway.url}/v1/chat/completions"
 

@@ -20,6 +20,7 @@ from app.gateway.metrics import EVENTS_SET_ASIDE
 from app.gateway.sink import SYNC_INTERVAL_S, EventSink
 from app.gateway.spool import DiskSpool, Envelope, Retention
 from app.gateway.spool_dirs import claim_spool, spool_directories
+from app.http.state import app_state
 from app.kafka.admin import ensure_topics
 from app.processes import free_port
 from rtrl.embedded.kafka import EmbeddedKafka
@@ -133,7 +134,7 @@ def test_a_disk_that_refuses_writes_holds_events_in_memory_in_order(
 def test_events_produced_while_kafka_is_down_arrive_exactly_once(
     gateway_server: Any, ide_key: str, stack: EmbeddedStack, kafka: Any
 ) -> None:
-    sink: EventSink = gateway_server.app.state.sink
+    sink: EventSink = app_state(gateway_server.app).sink
     sent: list[tuple[str, float]] = []
     failures: list[str] = []
     stop = threading.Event()

@@ -20,6 +20,7 @@ from app.config import Settings
 from app.events import COMPLETIONS_TOPIC
 from app.gateway.service import CHAT_PATH, request_key
 from app.gateway.upstream import Upstream, UpstreamBusy
+from app.http.state import app_state
 from app.main import create_app
 from app.processes import free_port
 from app.serving.vllm import VllmServer
@@ -167,7 +168,7 @@ def test_a_request_finding_every_vllm_connection_taken_is_a_503_after_the_pool_w
     holding, done_holding = threading.Event(), threading.Event()
 
     with TestClient(create_app(settings)) as client:
-        upstream = client.app.state.gateway.upstream  # type: ignore[attr-defined]
+        upstream = app_state(client.app).gateway.upstream
 
         async def hold() -> bytes:
             """A long generation, streamed and left unread: it keeps the one connection

@@ -1,0 +1,131 @@
+"""`POST /v1/chat/completions`, as the OpenAI Chat Completions API has it.
+
+The gateway's own calls are chat completions (`app.gateway.service`): this surface reads the
+request as one (`ChatCall`) and answers with what vLLM sent, its logging fields hidden. The
+headers it reads are every surface's (`app.gateway.headers`). The body's `model` is ignored:
+the gateway picks the checkpoint (A/B assignment), and the response's `model` names the
+checkpoint that answered.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+
+from app.abtest.assignment import hash_user
+from app.auth.schemas import Principal
+from app.gateway.headers import derived_session_id, flag_header, id_header, served_headers
+from app.gateway.in_flight import released_after
+from app.gateway.schemas import ChatRequest
+from app.gateway.service import ChatCall
+from app.gateway.toolcalls import looks_like_edit_request
+from app.http.bodies import json_object, parse_body
+from app.http.dependencies import require_role
+from app.http.errors import ApiError
+from app.http.routes import DirectRoute
+from app.http.state import app_state
+from app.models import Role
+
+router = APIRouter(prefix="/v1", tags=["gateway"])
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def chat_completions(
+    request: Request, principal: Principal = Depends(require_role(Role.ide))
+) -> Response:
+    """An OpenAI chat completion, streaming or not, served by the user's checkpoint."""
+    received_at, started = datetime.now(UTC), time.perf_counter()
+    state = app_state(request.app)
+    gateway, settings = state.gateway, state.settings
+    given_session_id = id_header(request, "x-session-id")
+    client_request_id = id_header(request, "x-request-id")
+    request_id = client_request_id or request.state.request_id
+    user_id = id_header(request, "x-user-id", max_length=256) or str(principal.key_id)
+    body, chat = await _chat_body(request)
+    session_id = given_session_id or derived_session_id(principal.key_id, user_id, chat.messages)
+    _within_completion_cap(chat, settings.max_completion_tokens)
+    edit_header = flag_header(request, "x-rtrl-edit-request")
+    call = ChatCall(
+        request=chat,
+        body=body,
+        session_id=session_id,
+        request_id=request_id,
+        client_request_id=client_request_id is not None,
+        user_hash=hash_user(settings.user_hash_secret.get_secret_value(), user_id),
+        api_key_id=principal.key_id,
+        privacy=principal.privacy_mode or bool(flag_header(request, "x-rtrl-privacy")),
+        edit_requested=(
+            edit_header if edit_header is not None else looks_like_edit_request(chat.messages)
+        ),
+        received_at=received_at,
+        started=started,
+        parent_request_id=id_header(request, "x-rtrl-parent-request-id"),
+        edit_requested_explicitly=edit_header is not None,
+    )
+    request.state.upstream_wait = call.upstream_wait
+    release = state.in_flight.admit(principal.key_id)
+    streaming = False
+    try:
+        assignment = await gateway.assign(call.user_hash)
+        if chat.stream:
+            chunks, assignment = await gateway.open_stream(
+                call, assignment, request.is_disconnected
+            )
+            headers = served_headers(assignment.checkpoint, session_id, _SSE_HEADERS)
+            streaming = True
+            return StreamingResponse(
+                released_after(chunks, release), media_type="text/event-stream", headers=headers
+            )
+        content, assignment = await gateway.complete(call, assignment)
+        return Response(
+            content,
+            media_type="application/json",
+            headers=served_headers(assignment.checkpoint, session_id),
+        )
+    finally:
+        if not streaming:
+            release()
+
+
+# The hot path: its one dependency (the key's role) is called without FastAPI's solving.
+router.add_api_route(
+    "/chat/completions",
+    chat_completions,
+    methods=["POST"],
+    response_model=None,
+    route_class_override=DirectRoute,
+)
+
+
+async def _chat_body(request: Request) -> tuple[dict[str, Any], ChatRequest]:
+    """The body as it came (forwarded to vLLM) and as the gateway reads it."""
+    body = json_object(await request.body())
+    chat = parse_body(
+        body,
+        ChatRequest,
+        status=400,
+        code="invalid_value",
+        message="Invalid {where}: {error}",
+        skip_union_members=True,
+    )
+    return body, chat
+
+
+def _within_completion_cap(chat: ChatRequest, cap: int) -> None:
+    """400 when the request asks for more tokens than one completion may have; one that
+    names no limit is held to it by the vLLM rtrl starts (its default max_tokens)."""
+    for param in ("max_completion_tokens", "max_tokens"):
+        asked = getattr(chat, param)
+        if asked is not None and asked > cap:
+            raise ApiError(
+                400,
+                f"{param} is too large: {asked}. This gateway serves at most {cap} completion "
+                "tokens per request.",
+                code="invalid_value",
+                param=param,
+            )

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from app.abtest.assignment import hash_user
 from app.auth.schemas import Principal
@@ -103,8 +104,22 @@ router.add_api_route(
 
 
 async def _chat_body(request: Request) -> tuple[dict[str, Any], ChatRequest]:
-    """The body as it came (forwarded to vLLM) and as the gateway reads it."""
-    body = json_object(await request.body())
+    """The body as it came (forwarded to vLLM) and as the gateway reads it. A large body is
+    read in a worker thread: checking tool schemas never seen before can cost a second or two
+    (`MAX_REQUEST_SCHEMA_NODES`), and the event loop keeps answering meanwhile."""
+    raw = await request.body()
+    if len(raw) < OFF_LOOP_BODY_BYTES:
+        return _read_chat_body(raw)
+    return await run_in_threadpool(_read_chat_body, raw)
+
+
+OFF_LOOP_BODY_BYTES = 64 * 1024
+"""Bodies at least this large are parsed and their tool schemas checked off the event loop;
+smaller ones cost less than handing them to a thread."""
+
+
+def _read_chat_body(raw: bytes) -> tuple[dict[str, Any], ChatRequest]:
+    body = json_object(raw)
     chat = parse_body(
         body,
         ChatRequest,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote
@@ -28,11 +31,32 @@ MAX_SCHEMA_DEPTH = 32
 levels; 300 levels of `items` once overflowed the validator's recursion."""
 MAX_SCHEMA_NODES = 10_000
 """Most values (objects, arrays, scalars) in one tool's parameter schema."""
+MAX_REQUEST_SCHEMA_NODES = 20_000
+"""Most values in all of one request's tool schemas together. Checking a schema against its
+metaschema costs ~0.1 ms a value on this hardware, so this bounds what one request that
+brings schemas never seen before costs (~2 s, off the event loop: `app.gateway.chat`);
+the stock coding agents declare a few thousand."""
+LARGE_CHECKED_SCHEMAS = 32
+"""Schemas above `CHECKED_SCHEMA_BYTES` whose verdict is kept too, by digest: an agent that
+declares one re-sends it every turn, and each check costs up to a second."""
 CHECKED_SCHEMAS = 512
 """Tool schemas whose verdict and validator are kept: an agent declares the same tools on
 every turn, and checking a schema against its metaschema costs milliseconds."""
 CHECKED_SCHEMA_BYTES = 16_384
 """Larger schemas are checked every time they come, so the kept ones stay a few MB."""
+
+
+def schema_values(schema: Any, limit: int) -> int:
+    """How many values `schema` holds, counted up to `limit + 1` at most (iterative)."""
+    pending, count = [schema], 0
+    while pending and count <= limit:
+        node = pending.pop()
+        count += 1
+        if isinstance(node, dict):
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return count
 
 
 def schema_shape_problem(schema: dict[str, Any]) -> str | None:
@@ -91,7 +115,7 @@ def checked_schema(parameters: dict[str, Any]) -> CheckedSchema:
     except TypeError:  # not JSON (a caller's own objects): judged, not kept
         return _check_schema(parameters)
     if len(encoded) > CHECKED_SCHEMA_BYTES:
-        return _check_schema(parameters)
+        return _kept_large_schema(encoded)
     return _kept_schema(encoded)
 
 
@@ -99,6 +123,24 @@ def checked_schema(parameters: dict[str, Any]) -> CheckedSchema:
 def _kept_schema(encoded: bytes) -> CheckedSchema:
     # Judged on a copy of its own: the validator outlives the request that brought it.
     return _check_schema(orjson.loads(encoded))
+
+
+_large_schemas: OrderedDict[bytes, CheckedSchema] = OrderedDict()
+_large_schemas_lock = threading.Lock()
+
+
+def _kept_large_schema(encoded: bytes) -> CheckedSchema:
+    digest = hashlib.blake2b(encoded, digest_size=20).digest()
+    with _large_schemas_lock:
+        if (kept := _large_schemas.get(digest)) is not None:
+            _large_schemas.move_to_end(digest)
+            return kept
+    checked = _check_schema(orjson.loads(encoded))
+    with _large_schemas_lock:
+        _large_schemas[digest] = checked
+        while len(_large_schemas) > LARGE_CHECKED_SCHEMAS:
+            _large_schemas.popitem(last=False)
+    return checked
 
 
 def _check_schema(parameters: dict[str, Any]) -> CheckedSchema:
@@ -257,6 +299,25 @@ class ChatRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_schemas_within_budget(cls, data: Any) -> Any:
+        # Before any schema is compiled: the budget bounds what checking them costs.
+        tools = data.get("tools") if isinstance(data, dict) else None
+        if not isinstance(tools, list):
+            return data
+        left = MAX_REQUEST_SCHEMA_NODES
+        for tool in tools[: MAX_TOOLS + 1]:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            parameters = function.get("parameters") if isinstance(function, dict) else None
+            left -= schema_values(parameters, left) if parameters is not None else 0
+            if left < 0:
+                raise ValueError(
+                    "tools: their parameter schemas hold more than "
+                    f"{MAX_REQUEST_SCHEMA_NODES} values together (the limit per request)"
+                )
+        return data
 
     @field_validator("messages")
     @classmethod

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -89,3 +92,63 @@ def test_log_lines_are_json_with_the_request_id(caplog: pytest.LogCaptureFixture
 
     assert line["message"] == "served x" and line["level"] == "info"
     assert line["request_id"] == "r-logged" and line["checkpoint"] == "ckpt-3"
+
+
+def _schema_tool(name: str, properties: int) -> dict[str, Any]:
+    parameters = {
+        "type": "object",
+        "properties": {f"{name}_{i}": {"type": "string"} for i in range(properties)},
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_health_checks_are_answered_while_a_request_brings_large_tool_schemas(
+    gateway_server: Any, ide_key: str
+) -> None:
+    # Three tools of 3,000 properties, never seen before: checking them against the JSON
+    # Schema metaschema takes seconds, which once held the event loop and every request on it.
+    # The request names a tool it does not declare, so it is refused right after the check.
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [_schema_tool(f"{uuid.uuid4().hex[:8]}_{k}", 3_000) for k in range(3)],
+        "tool_choice": {"type": "function", "function": {"name": "undeclared"}},
+    }
+    headers = {"Authorization": f"Bearer {ide_key}"}
+    with ThreadPoolExecutor(1) as pool:
+        sent = time.monotonic()
+        chat = pool.submit(
+            httpx.post, f"{gateway_server.url}{CHAT_ROUTE}", json=body, headers=headers, timeout=60
+        )
+        health: list[tuple[float, float]] = []
+        while not chat.done():
+            asked = time.monotonic()
+            assert httpx.get(f"{gateway_server.url}/healthz", timeout=60).status_code == 200
+            health.append((asked, time.monotonic()))
+            time.sleep(0.05)
+        answered = time.monotonic()
+        assert chat.result().status_code == 400
+    assert "undeclared" in chat.result().text
+    # Health checks sent while the schemas were being checked came back before the refusal.
+    assert any(asked > sent + 0.2 and done < answered - 0.5 for asked, done in health), (
+        f"chat answered after {answered - sent:.1f} s; health checks (sent, answered after "
+        f"the chat was sent): {[(round(a - sent, 2), round(d - sent, 2)) for a, d in health]}"
+    )
+
+
+def test_a_request_whose_tool_schemas_exceed_the_budget_is_refused(
+    gateway_server: Any, ide_key: str
+) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [_schema_tool(f"t{k}", 4_000) for k in range(3)],
+    }
+    answer = httpx.post(
+        f"{gateway_server.url}{CHAT_ROUTE}",
+        json=body,
+        headers={"Authorization": f"Bearer {ide_key}"},
+        timeout=60,
+    )
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_value"
+    assert "20000 values together (the limit per request)" in error["message"]

@@ -79,3 +79,9 @@ SPOOL_REPLAYS = Counter(
     "rtrl_spool_replays_total",
     "Times a spool's retained events were sent again because the broker had lost their log.",
 )
+
+PRIVATE_UNREMEMBERED = Counter(
+    "rtrl_private_requests_unremembered_total",
+    "Privacy-mode requests whose messages could not be remembered (Redis unavailable): a "
+    "later request that re-sends them is logged private only if its own run lookup fails.",
+)

@@ -28,6 +28,7 @@ from app.gateway.metrics import (
     COMPLETION_LATENCY,
     COMPLETIONS,
     FALLBACKS,
+    PRIVATE_UNREMEMBERED,
     TTFT,
     UPSTREAM_BUSY,
     UPSTREAM_UNAVAILABLE,
@@ -122,14 +123,17 @@ class RunLink:
     """The request's `history_digests`: made once, for the lookup and the turn's memory."""
 
     def placement(self, request_id: str) -> Placement:
-        """Where the request sits; a run of its own when the lookup failed or is not done."""
+        """Where the request sits; a run of its own when the lookup failed or is not done,
+        marked `unknown` (whether its history is private is not known then)."""
         lookup = self.lookup
-        if lookup is not None and lookup.done():
+        if lookup is None:
+            return Placement(request_id, 0, None)
+        if lookup.done():
             if not lookup.cancelled() and lookup.exception() is None:
                 return lookup.result()
-        elif lookup is not None:
+        else:
             log.warning("request %s: run lookup unfinished when logged", request_id)
-        return Placement(request_id, 0, None)
+        return Placement(request_id, 0, None, unknown=True)
 
     async def settled(self) -> None:
         """Wait for the lookup: one Redis round trip, bounded by the client's timeouts."""
@@ -321,6 +325,10 @@ class Gateway:
         # The model call first: tasks start in order, and the request to vLLM is the one on
         # the critical path.
         work = asyncio.ensure_future(model_call)
+        if call.privacy:
+            # Before the answer, whatever becomes of it: a turn the user stops or that fails
+            # is re-sent in the next request's history all the same.
+            await self._remember_private(call)
         call.link.lookup = asyncio.ensure_future(self._place(call))
         reservation = asyncio.ensure_future(
             self.reserve_request_id(
@@ -349,7 +357,7 @@ class Gateway:
             # sent at once can look before it lands. Looked up again, a model call later.
             call.link.lookup = asyncio.ensure_future(self._place(call, again=True))
             await call.link.settled()
-        if not call.privacy and call.link.placement(call.request_id).private_run:
+        if not call.privacy and logged_private(call, call.link.placement(call.request_id)):
             await self._mark_private(call)
         return result
 
@@ -366,6 +374,17 @@ class Gateway:
             # A first look that misses is asked again (`_alongside`); only the last counts.
             count_miss=again or not _continues_a_run(call),
         )
+
+    async def _remember_private(self, call: ChatCall) -> None:
+        try:
+            await self.trajectories.remember_private(call.run_owner, call.request.messages)
+        except RedisError:
+            PRIVATE_UNREMEMBERED.inc()
+            log.warning(
+                "private request %s not remembered: Redis unavailable; a later request that "
+                "re-sends its messages is private only if its run lookup fails too",
+                call.request_id,
+            )
 
     async def _mark_private(self, call: ChatCall) -> None:
         """A turn that continues a private run: its feedback is private too."""
@@ -743,7 +762,7 @@ def completion_parts(
                 len(record.logprobs),
             )
         tokens = logprobs = None
-    private = call.privacy or placement.private_run
+    private = logged_private(call, placement)
     content: dict[str, Any] = {}
     if not private:
         content = {
@@ -797,6 +816,13 @@ def encode_completion(event: CompletionEvent, content: dict[str, Any]) -> bytes:
         return encode(event)
     fields = event.model_dump(mode="json", exclude=set(_CONTENT_FIELDS))
     return orjson.dumps(fields | content)
+
+
+def logged_private(call: ChatCall, placement: Placement) -> bool:
+    """Whether the request is logged without content and never trained on: privacy mode, a
+    private run or a private message in its history, or (failing closed) a history of
+    earlier turns whose lookup failed, so that it may be private."""
+    return call.privacy or placement.private_run or (placement.unknown and _continues_a_run(call))
 
 
 def _continues_a_run(call: ChatCall) -> bool:

@@ -39,6 +39,12 @@ TURN_TTL_S = 6 * 3600
 """How long a turn can be continued: the feedback window of its request id."""
 MAX_PARENT_LOOKUPS = 16
 """Most earlier answers of a history looked up as its parent, the latest first."""
+PRIVATE_TTL_S = 30 * 24 * 3600
+"""How long a private message is remembered: a later request of its owner that carries it
+is private too, however its history was edited, for this long."""
+MIN_PRIVATE_MESSAGE_CHARS = 16
+"""Shorter messages ("continue", "yes") are not remembered as private: any conversation
+carries them, and each would make the owner's other conversations private."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +79,16 @@ class Placement:
     trajectory_id: str
     turn_index: int
     parent: Turn | None
+    carries_private: bool = False
+    """The history carries a message its owner sent in privacy mode (`private_messages`)."""
+    unknown: bool = False
+    """The lookup failed or did not finish: whether the history is private is not known."""
 
     @property
     def private_run(self) -> bool:
-        """Whether an earlier turn of the run was private (see `Turn.private`)."""
-        return self.parent is not None and self.parent.private
+        """Whether an earlier turn of the run was private (see `Turn.private`), or the
+        history carries a private message."""
+        return (self.parent is not None and self.parent.private) or self.carries_private
 
     def token_prefix_match(self, prompt_token_ids: Sequence[int] | None) -> bool | None:
         """Whether the parent's served tokens are an exact prefix of this prompt's."""
@@ -153,6 +164,29 @@ def history_digest(messages: Sequence[dict[str, Any]], owner: str = "") -> str:
     return digests[-1] if digests else ""
 
 
+def private_messages(owner: str, messages: Sequence[dict[str, Any]]) -> list[str]:
+    """Digests of the messages of `owner`'s request that mark a later request private when
+    it carries one: what the user and the tools wrote, and answers, not the system prompt
+    every conversation shares, nor a message too short to tell conversations apart."""
+    digests = []
+    for message in messages:
+        role = message.get("role")
+        if role in ("system", "developer"):
+            continue
+        # The text alone, as the client sends it again: tool calls are re-encoded by some
+        # clients, and the text that carried the secret is what matters.
+        text = _text(message.get("content"))
+        if len(text) < MIN_PRIVATE_MESSAGE_CHARS:
+            continue
+        seed = f"{owner}/{role}/".encode()
+        digests.append(hashlib.blake2b(seed + text.encode(), digest_size=16).hexdigest())
+    return digests
+
+
+def _private_key(owner: str) -> str:
+    return f"rtrl:private:{owner}"
+
+
 def _history_key(digest: str) -> str:
     return f"rtrl:turn:h:{digest}"
 
@@ -182,18 +216,38 @@ class Trajectories:
         `count_miss`: False for a first look that is asked again when it misses."""
         try:
             parent = await self._parent(owner, messages, parent_request_id, digests)
+            carries_private = await self._carries_private(owner, messages)
         except RedisError:
             log.warning("request %s not linked to its run: Redis unavailable", request_id)
             TRAJECTORY_LINKS.labels("unavailable").inc()
-            parent = None
+            return Placement(request_id, 0, None, unknown=True)
         if parent is not None:
             TRAJECTORY_LINKS.labels("continued").inc()
-            return Placement(parent.trajectory_id, parent.turn_index + 1, parent)
+            return Placement(parent.trajectory_id, parent.turn_index + 1, parent, carries_private)
+        if carries_private:
+            return Placement(request_id, 0, None, carries_private=True)
         if count_miss:
             # A history with answers in it that continues nothing: edited, compacted, or old.
             edited = any(message.get("role") == "assistant" for message in messages)
             TRAJECTORY_LINKS.labels("new_segment" if edited else "new_run").inc()
         return Placement(request_id, 0, None)
+
+    async def _carries_private(self, owner: str, messages: Sequence[dict[str, Any]]) -> bool:
+        digests = private_messages(owner, messages)
+        if not digests:
+            return False
+        return any(await self.redis.smismember(_private_key(owner), digests))
+
+    async def remember_private(self, owner: str, messages: Sequence[dict[str, Any]]) -> None:
+        """Remember the messages of `owner`'s private request (`private_messages`); raises
+        RedisError when Redis cannot take them."""
+        digests = private_messages(owner, messages)
+        if not digests:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.sadd(_private_key(owner), *digests)
+            pipe.expire(_private_key(owner), PRIVATE_TTL_S)
+            await pipe.execute()
 
     async def _parent(
         self,

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -52,6 +53,7 @@ TOOLS: list[dict[str, Any]] = [
     },
 ]
 TASK = [{"role": "user", "content": "Fix f in a.py so that it returns x plus 3."}]
+OTHER_TASK = [{"role": "user", "content": "Fix g in b.py so that it returns x times 2."}]
 
 
 def new_id(prefix: str) -> str:
@@ -296,7 +298,7 @@ def test_a_turn_that_continues_a_private_run_is_private_without_the_header(
     # The next turn re-sends the private prompt and answer as history, without the header.
     history = [*TASK, read, *results_of(read, "def f(x):\n    return x + 2\n")]
     next_id, _ = ask(client, history, False)
-    unrelated_id, _ = ask(client, TASK, False)
+    unrelated_id, _ = ask(client, OTHER_TASK, False)
 
     by_request = logged(kafka, since, private_id, next_id, unrelated_id)
     continued = by_request[next_id]
@@ -304,6 +306,35 @@ def test_a_turn_that_continues_a_private_run_is_private_without_the_header(
     assert continued["privacy"] is True
     assert continued["prompt_messages"] is None and continued["completion_token_ids"] is None
     assert by_request[unrelated_id]["privacy"] is False  # a new run of the same key is not
+
+
+def test_a_private_turn_the_user_stopped_keeps_the_next_turn_that_resends_it_private(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    # The user presses Stop: the private turn ends cancelled, and the client sends its prompt
+    # again, without the header, beside a new message (no answer in it to link by).
+    secret = [{"role": "user", "content": f"SECRET-{uuid.uuid4().hex} refactor billing.py"}]
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    stopped_id = new_id("r")
+    body = {"model": "rtrl", "messages": secret, "stream": True, "max_tokens": 400}
+    headers = {
+        "Authorization": f"Bearer {ide_key}",
+        "X-Rtrl-Privacy": "1",
+        "X-Request-Id": stopped_id,
+    }
+    with httpx.stream(
+        "POST", f"{gateway_server.url}/v1/chat/completions", json=body, headers=headers
+    ) as stream:
+        assert stream.status_code == 200
+        next(stream.iter_lines())
+    client = agent(gateway_server, ide_key, new_id("s"))
+    again_id, _ = ask(client, [*secret, {"role": "user", "content": "try again"}], False)
+
+    by_request = logged(kafka, since, stopped_id, again_id)
+    assert by_request[stopped_id]["privacy"] is True
+    again = by_request[again_id]
+    assert again["privacy"] is True
+    assert again["prompt_messages"] is None and again["completion_token_ids"] is None
 
 
 @pytest.mark.parametrize(

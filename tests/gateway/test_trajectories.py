@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from app.gateway import trajectories
-from app.gateway.trajectories import MAX_PARENT_LOOKUPS, Trajectories, Turn, run_owner
+from app.gateway.schemas import ChatRequest
+from app.gateway.service import ChatCall, logged_private
+from app.gateway.trajectories import (
+    MAX_PARENT_LOOKUPS,
+    Placement,
+    Trajectories,
+    Turn,
+    run_owner,
+)
+from app.processes import free_port
 from rtrl.embedded.stack import EmbeddedStack
 
 OWNER = run_owner(uuid.uuid4(), "user-hash")
@@ -123,3 +133,63 @@ def test_another_key_or_user_with_the_same_history_starts_a_run_of_its_own(
         # A run of its own, and not private because theirs was.
         assert placement.parent is None and placement.trajectory_id == request_id
         assert not placement.private_run
+
+
+def test_a_history_whose_lookup_fails_is_logged_as_private(stack: EmbeddedStack) -> None:
+    # Redis down or too slow: the lookup cannot say whether the history carries a private
+    # turn, so a request that continues a run is logged without content; a first turn is not.
+    owner = run_owner(uuid.uuid4(), "user")
+    history = [
+        {"role": "user", "content": "Fix f in a.py so that it returns x plus 3."},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Thanks, now add a test."},
+    ]
+
+    async def place_without_redis() -> Any:
+        async with Redis(port=free_port(), socket_connect_timeout=1) as unreachable:
+            return await Trajectories(unreachable).place(owner, "r-1", history, None)
+
+    placement = asyncio.run(place_without_redis())
+    assert placement.unknown and placement.parent is None
+    assert logged_private(chat_call(history), placement)
+    assert not logged_private(chat_call(history[:1]), placement)
+    assert not logged_private(chat_call(history), Placement("r-1", 0, None))
+
+
+def test_a_message_sent_in_privacy_mode_makes_any_later_request_carrying_it_private(
+    stack: EmbeddedStack,
+) -> None:
+    owner = run_owner(uuid.uuid4(), "user")
+    secret = {"role": "user", "content": "SECRET-MARKER-91 refactor billing.py"}
+
+    async def placements() -> list[Any]:
+        async with Redis(port=stack.redis.port) as redis:
+            memory = Trajectories(redis)
+            await memory.remember_private(owner, [{"role": "system", "content": "x" * 40}, secret])
+            return [
+                await memory.place(
+                    owner, "r-2", [secret, {"role": "user", "content": "again"}], None
+                ),
+                await memory.place(run_owner(uuid.uuid4(), "user"), "r-3", [secret], None),
+                await memory.place(owner, "r-4", [{"role": "system", "content": "x" * 40}], None),
+            ]
+
+    resent, other_owner, shared_system_prompt = asyncio.run(placements())
+    assert resent.private_run
+    assert not other_owner.private_run
+    assert not shared_system_prompt.private_run
+
+
+def chat_call(messages: list[dict[str, Any]]) -> ChatCall:
+    return ChatCall(
+        request=ChatRequest.model_validate({"messages": messages}),
+        body={"messages": messages},
+        session_id="s",
+        request_id="r-1",
+        user_hash="u",
+        api_key_id=uuid.uuid4(),
+        privacy=False,
+        edit_requested=False,
+        received_at=datetime.now(UTC),
+        started=0.0,
+    )

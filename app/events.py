@@ -67,6 +67,9 @@ class CompletionEvent(Event):
     top_k: int = Field(default=-1, ge=-1)
     """-1: no top-k truncation."""
     max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens_asked: int | None = Field(default=None, ge=1)
+    """What the client asked for when it was more than the gateway's cap: the completion was
+    served with `max_tokens` at the cap instead."""
     sampling_constraints: list[str] = Field(default_factory=list, max_length=32)
     """Parameters of the request that changed the distribution vLLM sampled from in a way the
     trainer cannot reproduce (`app.gateway.sampling`): the sample is never trained on."""

@@ -26,7 +26,6 @@ from app.gateway.service import ChatCall
 from app.gateway.toolcalls import looks_like_edit_request
 from app.http.bodies import json_object, parse_body
 from app.http.dependencies import require_role
-from app.http.errors import ApiError
 from app.http.routes import DirectRoute
 from app.http.state import app_state
 from app.models import Role
@@ -49,7 +48,7 @@ async def chat_completions(
     user_id = id_header(request, "x-user-id", max_length=256) or str(principal.key_id)
     body, chat = await _chat_body(request)
     session_id = given_session_id or derived_session_id(principal.key_id, user_id, chat.messages)
-    _within_completion_cap(chat, settings.max_completion_tokens)
+    max_tokens_asked = clamped_to_cap(chat, body, settings.max_completion_tokens)
     edit_header = flag_header(request, "x-rtrl-edit-request")
     call = ChatCall(
         request=chat,
@@ -67,6 +66,7 @@ async def chat_completions(
         started=started,
         parent_request_id=id_header(request, "x-rtrl-parent-request-id"),
         edit_requested_explicitly=edit_header is not None,
+        max_tokens_asked=max_tokens_asked,
     )
     request.state.upstream_wait = call.upstream_wait
     release = state.in_flight.admit(principal.key_id)
@@ -131,16 +131,16 @@ def _read_chat_body(raw: bytes) -> tuple[dict[str, Any], ChatRequest]:
     return body, chat
 
 
-def _within_completion_cap(chat: ChatRequest, cap: int) -> None:
-    """400 when the request asks for more tokens than one completion may have; one that
-    names no limit is held to it by the vLLM rtrl starts (its default max_tokens)."""
+def clamped_to_cap(chat: ChatRequest, body: dict[str, Any], cap: int) -> int | None:
+    """Hold the request to the tokens one completion may have: a larger `max_tokens` or
+    `max_completion_tokens` (coding agents ask 32,000 by default, and some exit on a 400) is
+    lowered to the cap in what vLLM is sent; returns the largest limit asked, if lowered. A
+    request that names no limit is held to the cap by the vLLM rtrl starts."""
+    asked = None
     for param in ("max_completion_tokens", "max_tokens"):
-        asked = getattr(chat, param)
-        if asked is not None and asked > cap:
-            raise ApiError(
-                400,
-                f"{param} is too large: {asked}. This gateway serves at most {cap} completion "
-                "tokens per request.",
-                code="invalid_value",
-                param=param,
-            )
+        value = getattr(chat, param)
+        if value is not None and value > cap:
+            asked = max(asked or 0, value)
+            setattr(chat, param, cap)
+            body[param] = cap
+    return asked

@@ -163,6 +163,8 @@ class ChatCall:
     """X-Rtrl-Parent-Request-Id: the client names the turn this one continues."""
     edit_requested_explicitly: bool = False
     """X-Rtrl-Edit-Request was sent: it wins over what the run was asked."""
+    max_tokens_asked: int | None = None
+    """The completion tokens the client asked for when more than the cap (served at the cap)."""
     link: RunLink = field(default_factory=lambda: RunLink())
     upstream_wait: UpstreamWait = field(default_factory=lambda: UpstreamWait())
     """How long vLLM took to answer: the rest of the request's time is the gateway's own."""
@@ -793,6 +795,7 @@ def completion_parts(
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=-1 if request.top_k is None or request.top_k == 0 else request.top_k,
         max_tokens=request.max_completion_tokens or request.max_tokens,
+        max_tokens_asked=call.max_tokens_asked,
         sampling_constraints=sampling_constraints(call.body),
         finish_reason=record.finish_reason,
         status=record.status,

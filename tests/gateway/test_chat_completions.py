@@ -508,34 +508,30 @@ def test_a_request_vllm_refuses_is_relayed_and_its_id_can_be_reused(
 
 
 @pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
-def test_a_request_for_more_tokens_than_the_cap_is_a_400_and_changes_nothing(
+def test_a_request_for_more_tokens_than_the_cap_is_served_at_the_cap_and_says_so(
     gateway_settings: Settings, start_gateway: Any, ide_key: str, kafka: Any, param: str
 ) -> None:
+    # Coding agents ask for 32,000 by default, and some exit on a 400: clamp, never refuse.
     gateway = start_gateway(gateway_settings.model_copy(update={"max_completion_tokens": 12}))
     session = new_id("s")
     client = client_for(gateway, ide_key, session)
     since = kafka.end_offsets(COMPLETIONS_TOPIC)
     request_id = new_id("r")
-    ask: dict[str, Any] = {
-        "model": "rtrl",
-        "messages": MESSAGES,
-        "extra_body": {"ignore_eos": True},
-        "extra_headers": {"X-Request-Id": request_id},
-    }
+    served = client.chat.completions.create(
+        model="rtrl",
+        messages=MESSAGES,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": request_id},
+        **{param: 32_000},
+    )
 
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(**ask, **{param: 13})
-    assert refused.value.status_code == 400
-    assert refused.value.param == param and refused.value.code == "invalid_value"
-    assert "at most 12" in refused.value.message
-
-    # At the cap it is served, under the same request id: the refusal reserved nothing.
-    served = client.chat.completions.create(**ask, **{param: 12})
     assert served.usage is not None and served.usage.completion_tokens == 12
     assert served.choices[0].finish_reason == "length"
     events = kafka.read(COMPLETIONS_TOPIC, since, until=kafka.for_requests({request_id}))
     logged = [event for event in events if event["_key"] == session]
-    assert [(event["request_id"], event["max_tokens"]) for event in logged] == [(request_id, 12)]
+    assert [(e["request_id"], e["max_tokens"], e["max_tokens_asked"]) for e in logged] == [
+        (request_id, 12, 32_000)
+    ]
 
 
 def test_oversized_bodies_are_refused_with_413(gateway_server: Any, ide_key: str) -> None:

@@ -10,8 +10,8 @@ VLLM_EXTRA ?= cpu
 PYTEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install lint format test ts-client demo browser promtool alerts services-up services-down \
-	docs docs-serve docs-reference
+.PHONY: install lint format test test-fast ts-client demo browser promtool alerts services-up \
+	services-down docs docs-serve docs-reference
 
 install: $(STAMP)
 
@@ -39,6 +39,18 @@ format: install
 
 test: install lint browser alerts ts-client docs
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+
+# The fast lane: unit and single-service tests, without the tests marked `slow` (those that
+# restart vLLM, train, run the demo or offline agent gates); `make test` runs them all.
+# tests/clients runs the TypeScript client's compiled gateway test: built once here (`make
+# ts-client`), the test rebuilds it from its sources after that.
+TS_CLIENT_TEST := clients/typescript/build/test/integration/gateway.test.js
+
+test-fast: install lint $(TS_CLIENT_TEST)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
+
+$(TS_CLIENT_TEST):
+	$(MAKE) ts-client
 
 # The TypeScript IDE client: its unit tests, and the build its gateway test (tests/clients) runs.
 ts-client:

@@ -83,6 +83,7 @@ def test_a_shipped_base_reproduces_its_recorded_loss_and_held_out_pass_rate(name
     assert 0.6 * record["final_loss"] <= loss <= 1.05 * record["final_loss"]
 
 
+@pytest.mark.slow
 def test_the_default_base_solves_its_recorded_share_of_validation_agent_runs() -> None:
     record, config = recorded(DEFAULT_BASE)
     model_dir = shipped_base_dir(DEFAULT_BASE)

@@ -28,8 +28,14 @@ class WorkerConfig:
     """Most messages one poll returns: one batch, one DB transaction, one offset commit."""
     statement_timeout_s: float = 30.0
     """The time budget of each statement that stores a batch (Postgres `statement_timeout`;
-    waiting for a peer's partition lock does not count). A batch that overruns it is stored
-    in halves; a message that overruns it alone goes to the DLQ."""
+    waiting for a peer's partition lock does not count, nor does a wait for a row another
+    transaction holds). A batch that overruns it is stored in halves; a message that
+    overruns it alone goes to the DLQ."""
+    lock_timeout_s: float = 5.0
+    """How long a statement storing a batch waits for a lock another transaction holds (an
+    erasure, partition maintenance, an export) before it gives up (Postgres `lock_timeout`).
+    The whole batch is then stored again after a pause, backing off to 10 s, until the lock
+    is free: a lock wait never splits a batch nor sends a message to the DLQ."""
     poll_timeout_ms: int = 500
     """How long a poll waits for messages when none are buffered."""
     session_timeout_ms: int = 6000

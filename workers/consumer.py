@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,11 +23,17 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata
-from psycopg.errors import QueryCanceled
+from psycopg.errors import DeadlockDetected, LockNotAvailable, QueryCanceled
 from pydantic import ValidationError
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    wait_exponential,
+)
 
 from app.abtest.guardrails import check_guardrails
 from app.config import Settings
@@ -41,6 +48,7 @@ from workers.metrics import (
     BATCH_SECONDS,
     CONSUMER_LAG,
     DEAD_LETTERS,
+    LOCK_WAIT_RETRIES,
     MESSAGES,
     REWARDS_OVERDUE,
     REWARDS_SWEPT,
@@ -65,6 +73,16 @@ PAYLOAD_MAX_CHARS = 256 * 1024
 """A dead letter carries at most this much of its message (the whole stays at its offset in
 the source topic), so it never outgrows what the broker takes."""
 PRIVATE_IDS = ("event_id", "session_id", "request_id", "privacy")
+PRIVATE_NOTE = "(privacy mode: content dropped)"
+"""Ends the reason of a dead letter that kept only its message's ids."""
+CUT_NOTE = "(payload cut from "
+"""Opens the note on a dead letter that kept only the start of its message."""
+LOCK_RETRY_MAX_WAIT_S = 10.0
+"""The longest pause before a batch that waited in vain for a lock is stored again."""
+ROW_LOCK_WAIT = re.compile(r"^while [^\n]*tuple[^\n]* in relation ", re.MULTILINE)
+"""How Postgres names a wait for a row that another transaction is writing (the error
+context of its transaction-lock wait): a statement timeout that fires there was a lock
+wait, not work."""
 
 
 class Record(Protocol):
@@ -106,10 +124,10 @@ def dead_letter(record: Record, reason: str) -> DeadLetter:
     payload = (record.value or b"").decode("utf-8", errors="replace")
     private = _private_ids(record.value)
     if private is not None:
-        payload, reason = private, reason + " (privacy mode: content dropped)"
+        payload, reason = private, f"{reason} {PRIVATE_NOTE}"
     elif len(payload) > PAYLOAD_MAX_CHARS:
         reason = (
-            f"{reason} (payload cut from {len(record.value or b'')} bytes to its first"
+            f"{reason} {CUT_NOTE}{len(record.value or b'')} bytes to its first"
             f" {PAYLOAD_MAX_CHARS} characters; the whole message stays at its offset)"
         )
         payload = payload[:PAYLOAD_MAX_CHARS]
@@ -189,34 +207,47 @@ def row_of(record: Record, config: WorkerConfig) -> dict[str, Any]:
     return row
 
 
-def store_batch(engine: Engine, batch: Batch, config: WorkerConfig) -> list[DeadLetter]:
+def store_batch(
+    engine: Engine,
+    batch: Batch,
+    config: WorkerConfig,
+    stop_event: threading.Event | None = None,
+) -> list[DeadLetter]:
     """Store a batch in one transaction; the messages that cannot be stored become dead letters.
 
     A batch Postgres rejects (a row that passed validation and still fails), that overruns
     the time budget (`WorkerConfig.statement_timeout_s`) or that makes the worker's code raise
     is stored again in halves, down to the one message at fault, so that no message stalls
-    the stream and the others are stored as they would have been.
+    the stream and the others are stored as they would have been. A lock another
+    transaction holds is no message's fault: the batch waits for it whole
+    (`store_when_unlocked`), and the lock error is raised only once `stop_event` is set.
     """
     messages = [(True, a) for a in batch.samples] + [(False, a) for a in batch.feedback]
-    return _store_bisecting(engine, messages, config)
+    return _store_bisecting(engine, messages, config, stop_event or threading.Event())
 
 
 def _store_bisecting(
-    engine: Engine, messages: Sequence[tuple[bool, Accepted]], config: WorkerConfig
+    engine: Engine,
+    messages: Sequence[tuple[bool, Accepted]],
+    config: WorkerConfig,
+    stop_event: threading.Event,
 ) -> list[DeadLetter]:
     if not messages:
         return []
     try:
-        _store(
+        store_when_unlocked(
             engine,
             [accepted for is_sample, accepted in messages if is_sample],
             [accepted for is_sample, accepted in messages if not is_sample],
             config,
+            stop_event,
         )
         return []
     except OperationalError as exc:
-        if not isinstance(exc.orig, QueryCanceled):
-            raise  # the database is unavailable: the caller waits and retries the batch
+        if waited_for_lock(exc) or not isinstance(exc.orig, QueryCanceled):
+            # Stopped while waiting for a lock, or the database is unavailable: the caller
+            # leaves the batch uncommitted, or waits and stores it again.
+            raise
         reason = (
             f"over the worker's time budget: a statement storing it ran past"
             f" {config.statement_timeout_s:g} s"
@@ -230,9 +261,60 @@ def _store_bisecting(
         return [dead_letter(messages[0][1].record, reason)]
     log.warning("a batch of %d not stored (%s); storing it in halves", len(messages), reason)
     half = len(messages) // 2
-    return _store_bisecting(engine, messages[:half], config) + _store_bisecting(
-        engine, messages[half:], config
+    return _store_bisecting(engine, messages[:half], config, stop_event) + _store_bisecting(
+        engine, messages[half:], config, stop_event
     )
+
+
+def waited_for_lock(exc: BaseException) -> bool:
+    """True when a statement failed for a lock another transaction held, not for its rows.
+
+    Postgres gave up waiting (`lock_timeout`, 55P03), broke a deadlock (40P01), or the
+    statement timeout fired while the statement waited for a row another transaction writes.
+    """
+    if not isinstance(exc, OperationalError):
+        return False
+    cause = exc.orig
+    if isinstance(cause, LockNotAvailable | DeadlockDetected):
+        return True
+    return isinstance(cause, QueryCanceled) and bool(ROW_LOCK_WAIT.search(cause.diag.context or ""))
+
+
+def store_when_unlocked(
+    engine: Engine,
+    sample_rows: Sequence[Accepted],
+    feedback: Sequence[Accepted],
+    config: WorkerConfig,
+    stop_event: threading.Event,
+) -> None:
+    """Store the messages in one transaction, again after a pause (0.5 s, doubling up to
+    `LOCK_RETRY_MAX_WAIT_S`) each time a statement waited in vain for a lock; the lock error
+    is raised only once `stop_event` is set."""
+
+    def waiting(state: RetryCallState) -> None:
+        assert state.outcome is not None and state.next_action is not None
+        LOCK_WAIT_RETRIES.inc()
+        exc = state.outcome.exception()
+        log.warning(
+            "a batch of %d waited in vain for a lock another transaction holds (%s); "
+            "storing it again in %.1f s",
+            len(sample_rows) + len(feedback),
+            getattr(exc, "orig", exc),
+            state.next_action.sleep,
+        )
+
+    def pause(seconds: float) -> None:
+        stop_event.wait(seconds)  # a stop cuts the wait short
+
+    retrying = Retrying(
+        retry=retry_if_exception(waited_for_lock),
+        wait=wait_exponential(multiplier=0.5, max=LOCK_RETRY_MAX_WAIT_S),
+        stop=lambda state: stop_event.is_set(),
+        sleep=pause,
+        before_sleep=waiting,
+        reraise=True,
+    )
+    retrying(_store, engine, sample_rows, feedback, config)
 
 
 def _store(
@@ -242,12 +324,20 @@ def _store(
     config: WorkerConfig,
 ) -> None:
     with engine.begin() as conn:
-        # Waiting for a peer that holds a partition is not this batch's fault: the budget
-        # starts once the locks are held.
+        # Waiting for a peer that holds a partition is not this batch's fault: the budgets
+        # start once the locks are held. Any other lock is waited for `lock_timeout_s` at
+        # most, a few seconds, so that a lock wait ends as a lock error and is never taken
+        # for a statement that overran the time budget.
         lock_partitions(conn, {a.record.partition for a in [*sample_rows, *feedback]})
         conn.execute(
-            text("SELECT set_config('statement_timeout', :ms, true)"),
-            {"ms": str(max(1, round(config.statement_timeout_s * 1000)))},
+            text(
+                "SELECT set_config('lock_timeout', :lock_ms, true),"
+                " set_config('statement_timeout', :statement_ms, true)"
+            ),
+            {
+                "lock_ms": _milliseconds(config.lock_timeout_s),
+                "statement_ms": _milliseconds(config.statement_timeout_s),
+            },
         )
         store_events(
             conn,
@@ -256,6 +346,10 @@ def _store(
             config,
             now=datetime.now(UTC),
         )
+
+
+def _milliseconds(seconds: float) -> str:
+    return str(max(1, round(seconds * 1000)))  # 0 would turn the timeout off
 
 
 def next_offsets(
@@ -391,7 +485,7 @@ def consume_batch(
     batch = decode_batch(records, config)
     while True:
         try:
-            dead_letters = batch.dead_letters + store_batch(engine, batch, config)
+            dead_letters = batch.dead_letters + store_batch(engine, batch, config, stop_event)
             break
         except OperationalError as exc:
             if stop_event.is_set():

@@ -20,6 +20,12 @@ DEAD_LETTERS = Counter(
     "Messages sent to the dead-letter topic, by the topic they came from.",
     ["topic"],
 )
+LOCK_WAIT_RETRIES = Counter(
+    "rtrl_worker_lock_wait_retries_total",
+    "Batches stored again, whole, after a statement gave up waiting for a lock another "
+    "transaction held (the worker's lock_timeout_s: an erasure, partition maintenance, an "
+    "export); a rate that stays up means a transaction holds history tables for long.",
+)
 BATCH_SECONDS = Histogram(
     "rtrl_worker_batch_seconds",
     "Time from a poll's return to its committed offsets.",

@@ -51,7 +51,9 @@ SAMPLE_COLUMNS = (
     "completion_token_ids, behaviour_logprobs, completion_chars, status, ttft_ms, latency_ms, "
     "tool_calls, malformed_tool_calls, served_at, created_at"
 )
-REWARD_COLUMNS = "sample_id, components, reward, reward_version, due_at, finalized_at, updated_at"
+REWARD_COLUMNS = (
+    "sample_id, served_at, components, reward, reward_version, due_at, finalized_at, updated_at"
+)
 
 
 def seed_registry(database_url: str) -> int:
@@ -149,7 +151,7 @@ def sample_chunks(
             }
             reward = float(kept[i]) - 0.5 * bool(components["dissatisfied"])
             rewards.append(
-                f"{sid}\t{orjson.dumps(components).decode()}\t{reward}\t1\t{served_at}\t"
+                f"{sid}\t{served_at}\t{orjson.dumps(components).decode()}\t{reward}\t1\t{served_at}\t"
                 f"{served_at}{stamp.format(served_at)}\n"
             )
         yield "".join(samples).encode(), "".join(rewards).encode()

@@ -76,7 +76,7 @@ _USER_GROUP = f"(('x' || substr(md5(s.user_hash), 1, 7))::bit(28)::int % {USER_G
 # finalized or changed since adds its part now minus the part counted before.
 _DELTA = f"""
 CREATE TEMP TABLE rollup_delta ON COMMIT DROP AS
-WITH touched AS ({{touched}}),
+WITH touched AS (SELECT sample_id FROM rollup_touched),
 now_counted AS (
     SELECT r.sample_id,
            (r.components->>'accepted')::boolean AS accepted,
@@ -129,14 +129,22 @@ SELECT sample_id, served_at, checkpoint, experiment_id, arm, user_hash, fresh, b
 FROM parts
 """
 
+# The samples a refresh touches, written to an indexed table and analysed before the delta
+# reads them: as a CTE the planner guessed their number, and on a burst (216k touched) chose a
+# nested loop that scanned the whole CTE once for each of its rows.
+_TOUCHED_TABLE = (
+    "CREATE TEMP TABLE rollup_touched (sample_id bigint PRIMARY KEY) ON COMMIT DROP",
+    "INSERT INTO rollup_touched {touched}",
+    "ANALYZE rollup_touched",
+)
 _TOUCHED = """
-    SELECT id AS sample_id FROM samples WHERE created_at >= :since AND created_at < :until
+    SELECT id FROM samples WHERE created_at >= :since AND created_at < :until
     UNION
     SELECT sample_id FROM rewards WHERE updated_at >= :since AND updated_at < :until"""
 # From scratch, every sample: the union with rewards would find nothing more.
-_EVERY_SAMPLE = "SELECT id AS sample_id FROM samples WHERE created_at < :until"
-DELTA = _DELTA.format(touched=_TOUCHED)
-REBUILD = _DELTA.format(touched=_EVERY_SAMPLE)
+_EVERY_SAMPLE = "SELECT id FROM samples WHERE created_at < :until"
+DELTA = (*(s.format(touched=_TOUCHED) for s in _TOUCHED_TABLE), _DELTA)
+REBUILD = (*(s.format(touched=_EVERY_SAMPLE) for s in _TOUCHED_TABLE), _DELTA)
 
 _DAY = "(served_at AT TIME ZONE 'UTC')::date"
 _IN_EXPERIMENT = "experiment_id IS NOT NULL AND arm IS NOT NULL"
@@ -233,17 +241,19 @@ def refresh_rollups(bind: Engine | Connection) -> int | None:
     since = conn.execute(
         text("SELECT watermark FROM rollup_state WHERE name = :name FOR UPDATE"), {"name": ROLLUP}
     ).scalar_one_or_none()
-    conn.execute(text("DROP TABLE IF EXISTS pg_temp.rollup_delta"))
+    conn.execute(text("DROP TABLE IF EXISTS pg_temp.rollup_delta, pg_temp.rollup_touched"))
     if since is None:
         conn.execute(text(f"TRUNCATE {', '.join(DERIVED_TABLES)}"))
-        conn.execute(text(REBUILD), {"since": datetime(1970, 1, 1, tzinfo=UTC), "until": until})
+        steps, since = REBUILD, datetime(1970, 1, 1, tzinfo=UTC)
     else:
-        conn.execute(text(DELTA), {"since": since, "until": until})
+        steps = DELTA
+    for statement in steps:
+        conn.execute(text(statement), {"since": since, "until": until})
     touched = conn.execute(text("SELECT count(*) FROM rollup_delta")).scalar_one()
     if touched:
         for statement in APPLY_DELTA:
             conn.execute(text(statement))
-    conn.execute(text("DROP TABLE rollup_delta"))
+    conn.execute(text("DROP TABLE rollup_delta, rollup_touched"))
     conn.execute(
         text(
             "INSERT INTO rollup_state (name, watermark, refreshed_at) "

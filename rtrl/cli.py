@@ -55,6 +55,12 @@ spool_cli = typer.Typer(no_args_is_help=True, help="The gateways' event spools."
 cli.add_typer(spool_cli, name="spool")
 history_cli = typer.Typer(no_args_is_help=True, help="Archived history.")
 cli.add_typer(history_cli, name="history")
+backup_cli = typer.Typer(
+    no_args_is_help=True, help="Back up and restore the database and the checkpoints."
+)
+cli.add_typer(backup_cli, name="backup")
+dlq_cli = typer.Typer(no_args_is_help=True, help="The workers' dead-letter topic.")
+cli.add_typer(dlq_cli, name="dlq")
 
 
 def _print_statuses(statuses: list[ServiceStatus]) -> None:
@@ -198,6 +204,41 @@ def model_show(
                 f" ({', '.join(built_on.get('vector_extensions') or []) or 'no AVX2'}),"
                 f" torch {built_on.get('torch')}"
             )
+
+
+@model_cli.command("install")
+def model_install(
+    source: str = typer.Argument(
+        "rtrl-base",
+        help="A shipped base (rtrl-base, rtrl-base-500) or a directory holding a Hugging Face"
+        " model and its SHA256SUMS.",
+    ),
+    to: Path | None = typer.Option(
+        None, "--to", help="Where to install it (default: the configured base model path)."
+    ),
+    no_verify: bool = typer.Option(
+        False,
+        "--no-verify",
+        help="Accept a directory without SHA256SUMS: its sums are computed as it is read and"
+        " written into the copy. A file that differs from a SHA256SUMS is refused all the same.",
+    ),
+) -> None:
+    """Install a base model, every file checked against its checksums, atomically; nothing to
+    do when the directory already holds it (compose's model-init job runs it)."""
+    from sandbox.bases import install_model
+
+    target = to or get_settings().base_model_path
+    present = (target / "config.json").is_file()
+    if source in SHIPPED_BASES:
+        identity = install_model(shipped_base_dir(source), target, name=source)
+    elif Path(source).is_dir():
+        identity = install_model(Path(source), target, verify=not no_verify)
+    else:
+        raise BaseModelError(
+            f"{source!r} is neither a shipped base ({', '.join(SHIPPED_BASES)}) nor a directory"
+        )
+    done = "already installed, nothing to do" if present else "installed"
+    typer.echo(f"{identity.describe()}: {done} at {target}")
 
 
 @cli.command("serve")
@@ -545,6 +586,171 @@ def history_import(
         engine.dispose()
     for table, rows in report.read.items():
         typer.echo(f"{table}: {rows} rows read, {report.inserted[table]} new")
+
+
+@dlq_cli.command("replay")
+def dlq_replay(
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Count the letters and list their reasons; send nothing."
+    ),
+    since: str | None = typer.Option(
+        None,
+        help="Pass over letters dead-lettered before: an ISO 8601 time, or a duration ago"
+        " (PT2H). Passed over counts as read: a later replay does not see them again.",
+    ),
+    limit: int | None = typer.Option(
+        None, min=1, help="Re-drive at most this many messages; the next replay goes on."
+    ),
+    group: str = typer.Option(
+        "rtrl-dlq-replay",
+        help="The consumer group that records how far replays got (another reads it all again).",
+    ),
+) -> None:
+    """Send the messages in rtrl.dlq.v1 back to the topics they came from, each once; letters
+    that hold no whole message (privacy mode, cut to size, over Kafka's limit) are counted."""
+    from kafka.errors import KafkaError
+
+    from app.gateway.replay import parse_since
+    from workers.config import WorkerConfig
+    from workers.dlq import ReplayError, replay_dead_letters
+
+    settings = get_settings()
+    try:
+        start = parse_since(since) if since else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--since") from None
+    config = WorkerConfig.from_settings(settings)
+    try:
+        report = replay_dead_letters(
+            settings,
+            config,
+            group_id=group,
+            since=start,
+            limit=limit,
+            dry_run=dry_run,
+            progress=typer.echo,
+        )
+    except (ReplayError, KafkaError) as exc:
+        typer.secho(f"error: {config.dlq_topic}: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    verb = "would re-drive" if dry_run else "re-drove"
+    typer.echo(f"{verb} {sum(report.redriven.values())} messages of {report.read} letters read")
+    for topic, count in sorted(report.redriven.items()):
+        typer.echo(f"  {count} to {topic}")
+    for why, count in report.not_replayable.most_common():
+        typer.echo(f"not replayable: {count} ({why})")
+    if report.passed_over:
+        typer.echo(f"passed over: {report.passed_over} dead-lettered before {start}")
+    for kind, count in report.reasons.most_common():
+        typer.echo(f"reason: {count} {kind} (e.g. {report.examples[kind][:200]})")
+    if report.left:
+        stop = "--limit" if report.stopped_at_limit else "the letters stopped coming"
+        typer.echo(f"{report.left} letters left for the next replay ({stop})")
+
+
+@backup_cli.command("create")
+def backup_create(
+    directory: Path = typer.Argument(..., help="Where to write the backup (new, or empty)."),
+    pg_bin: Path | None = typer.Option(
+        None, help="Directory of the pg_dump to use (default: the one rtrl installs)."
+    ),
+) -> None:
+    """Dump the database and copy the adapter of every checkpoint its registry names, with a
+    manifest of checksums; the directory appears only once the backup is complete."""
+    from rtrl.backup import create_backup
+
+    manifest = create_backup(get_settings().database_url, directory, pg_bin=pg_bin)
+    size = sum((directory / name).stat().st_size for name in manifest.files)
+    typer.echo(
+        f"backed up {len(manifest.checkpoints)} checkpoints ({len(manifest.adapters)} adapters;"
+        f" production {manifest.production}) and the database (schema"
+        f" {manifest.schema_revision}, {manifest.erased_users} erased users) to {directory}:"
+        f" {size / 1e6:.1f} MB in {manifest.seconds:.1f} s"
+    )
+
+
+@backup_cli.command("verify")
+def backup_verify(directory: Path = typer.Argument(..., help="A backup directory.")) -> None:
+    """Check every file of a backup against its manifest; exits 1 naming what is damaged."""
+    from rtrl.backup import verify_backup
+
+    manifest = verify_backup(directory)
+    typer.echo(
+        f"{directory}: intact; taken {manifest.created_at}, {len(manifest.files)} files,"
+        f" production {manifest.production}"
+    )
+
+
+@backup_cli.command("restore")
+def backup_restore(
+    directory: Path = typer.Argument(..., help="A backup directory."),
+    erasure_log: list[Path] = typer.Option(
+        [],
+        "--erasure-log",
+        help="An erasure log (`rtrl backup erasures`) to apply after the restore; repeatable.",
+    ),
+    without_erasure_log: bool = typer.Option(
+        False,
+        "--without-erasure-log",
+        help="Restore without one: only when no user was erased since the backup was taken.",
+    ),
+    pg_bin: Path | None = typer.Option(
+        None, help="Directory of the pg_restore to use (default: the one rtrl installs)."
+    ),
+) -> None:
+    """Restore a backup into an empty database and RTRL_DATA_DIR/checkpoints, then erase
+    again every user the erasure log erased after the backup was taken."""
+    from rtrl.backup import read_erasure_log, restore_backup
+
+    if not erasure_log and not without_erasure_log:
+        raise typer.BadParameter(
+            "a backup cannot hold the erasures made after it: pass the erasure log kept"
+            " outside the database, or --without-erasure-log if no user was erased since",
+            param_hint="--erasure-log",
+        )
+    erasures = [erasure for path in erasure_log for erasure in read_erasure_log(path)]
+    settings = get_settings()
+    report = restore_backup(
+        directory, settings.database_url, settings.checkpoints_dir, erasures, pg_bin=pg_bin
+    )
+    seconds = ", ".join(f"{step} {value:.1f} s" for step, value in report.seconds.items())
+    typer.echo(
+        f"restored {report.checkpoints} checkpoints (production {report.production});"
+        f" adapters copied: {', '.join(report.adapters_copied) or '-'},"
+        f" already in place: {', '.join(report.adapters_present) or '-'}"
+    )
+    typer.echo(
+        f"erased again {len(report.erasures_applied)} users erased after the backup"
+        f" ({report.rows_erased} rows)"
+    )
+    if report.sequence_moved_to is not None:
+        typer.echo(f"checkpoint numbers go on after ckpt-{report.sequence_moved_to} (on disk)")
+    typer.echo(f"took {seconds}; load the live checkpoints with `rtrl checkpoints reconcile`")
+
+
+@backup_cli.command("erasures")
+def backup_erasures(
+    output: Path = typer.Argument(..., help="The erasure log (JSON lines), created or merged."),
+) -> None:
+    """Write every erasure the database records into an erasure log kept outside it, for a
+    restore to apply; entries already in the file are kept."""
+    from rtrl.backup import export_erasures
+
+    count = export_erasures(get_settings().database_url, output)
+    typer.echo(f"{count} erased users in {output}")
+
+
+@backup_cli.command("apply-erasures")
+def backup_apply_erasures(
+    erasure_logs: list[Path] = typer.Argument(..., help="Erasure logs (`rtrl backup erasures`)."),
+) -> None:
+    """Erase again every user the logs erased later than the database knows: after a restore
+    by other means (point-in-time recovery, a provider's snapshot). Repeatable."""
+    from rtrl.backup import apply_erasures, read_erasure_log
+
+    erasures = [erasure for path in erasure_logs for erasure in read_erasure_log(path)]
+    applied, rows = apply_erasures(get_settings().database_url, erasures)
+    typer.echo(f"erased again {len(applied)} users ({rows} rows); the others were already erased")
 
 
 @cli.command("train")

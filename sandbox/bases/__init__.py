@@ -101,8 +101,9 @@ def verify_base(model_dir: Path, name: str | None = None) -> BaseIdentity:
     text = sums_path.read_text()
     listed: dict[str, str] = {}
     for line in text.splitlines():
-        digest, _, file_name = line.partition("  ")
-        if len(digest) != 64 or not file_name:
+        # sha256sum's format: the digest, a space, then a space (text) or `*` (binary mode).
+        digest, marker, file_name = line[:64], line[64:66], line[66:].removeprefix("./")
+        if len(digest) != 64 or marker not in ("  ", " *") or not file_name:
             raise BaseModelError(f"{sums_path} is not a sha256sum list (line {line!r})")
         listed[file_name] = digest
     for file_name, digest in listed.items():
@@ -141,29 +142,70 @@ def install_base(name: str, model_dir: Path) -> BaseIdentity:
     """Put the shipped base `name` at `model_dir` (checked before and after the copy) unless
     that directory already holds it; a directory that holds another base, or a corrupted one,
     is refused with `BaseModelError` rather than overwritten."""
-    shipped = verify_base(shipped_base_dir(name), name)
-    model_dir = Path(model_dir)
-    if (model_dir / "config.json").is_file():
-        present = verify_base(model_dir, name)
-        if present.checksum != shipped.checksum:
+    return install_model(shipped_base_dir(name), model_dir, name=name)
+
+
+def install_model(
+    source: Path, model_dir: Path, *, name: str | None = None, verify: bool = True
+) -> BaseIdentity:
+    """Put the model in `source` at `model_dir`, atomically, unless that directory already
+    holds it; a directory holding another model, or a corrupted one, is refused with
+    `BaseModelError` rather than overwritten.
+
+    Every file is checked against the source's `SHA256SUMS` before and after the copy, and a
+    source without one is refused. With `verify=False` such a source is taken as it reads:
+    its sums are computed during the install and written into the copy, so the installed
+    model is checked from then on (a source that has `SHA256SUMS` is checked all the same).
+    """
+    source, model_dir = Path(source), Path(model_dir)
+    label = name or source.name
+    wanted = verify_base(source, label)
+    sums = ""
+    if not wanted.checksum:
+        if verify:
             raise BaseModelError(
-                f"{model_dir} holds another base than the shipped {name}"
-                f" ({present.describe()}); point RTRL_BASE_MODEL at it to use it, or remove"
-                f" {model_dir} to install {name} there"
+                f"{source} has no {SUMS_FILE}, so its files cannot be checked: write one"
+                f" where the model was downloaded and checked (`sha256sum * > {SUMS_FILE}` in"
+                " its directory), or install it unchecked (`rtrl model install --no-verify`)"
             )
-        return present
+        sums = _checksum_lines(source)
+        wanted = replace(wanted, checksum=hashlib.sha256(sums.encode()).hexdigest())
+    if (model_dir / "config.json").is_file():
+        present = verify_base(model_dir)
+        if present.checksum != wanted.checksum:
+            raise BaseModelError(
+                f"{model_dir} holds another base than {label} ({present.describe()}); point"
+                f" RTRL_BASE_MODEL at it to use it, or remove {model_dir} to install {label}"
+                " there"
+            )
+        return replace(present, name=label)
+    if model_dir.is_dir() and any(model_dir.iterdir()):
+        raise BaseModelError(f"{model_dir} is not empty and holds no model; remove it first")
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
     try:
         copied = scratch / "base"
-        shutil.copytree(shipped.path, copied)
-        for path in copied.iterdir():
-            path.chmod(0o644)
-        copy = verify_base(copied, name)
+        shutil.copytree(source, copied)
+        for path in [copied, *copied.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        if sums:
+            (copied / SUMS_FILE).write_text(sums)
+        copy = verify_base(copied, label)
+        if copy.checksum != wanted.checksum:
+            raise BaseModelError(f"{source} changed while it was copied; install it again")
         os.replace(copied, model_dir)  # atomic: the files checked are the files installed
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return replace(copy, path=model_dir)
+
+
+def _checksum_lines(model_dir: Path) -> str:
+    """`SHA256SUMS` for every file under `model_dir` (but itself), by path within it."""
+    return "".join(
+        f"{file_sha256(path)}  {path.relative_to(model_dir).as_posix()}\n"
+        for path in sorted(model_dir.rglob("*"))
+        if path.is_file() and path != model_dir / SUMS_FILE
+    )
 
 
 def _read_recipe(model_dir: Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from sandbox.tasks import Split
 SPLITS: tuple[Split, ...] = ("train", "heldout", "all")
 
 
+# Long by its options alone: Typer declares one parameter per option; the body is ~20 lines.
 def simulate_command(
     gateway: str | None = typer.Option(
         None, "--gateway", help="Gateway base URL (default: RTRL_GATEWAY_HOST:PORT)."

@@ -55,6 +55,9 @@ class CompletionEvent(Event):
     """Whether the run asked for an edit (its first turn decides for the turns after it)."""
     tools_declared: bool = False
     """Whether the request declared tools (agent traffic rather than one-turn chat)."""
+    surface: Literal["chat", "messages"] | None = None
+    """The API the client spoke: OpenAI Chat Completions or Anthropic Messages (None on events
+    logged before surfaces were recorded)."""
     trajectory_id: str | None = Field(default=None, max_length=128)
     """The agent run: the request id of its first turn."""
     turn_index: int = Field(default=0, ge=0)

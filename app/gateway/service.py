@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import orjson
@@ -165,6 +165,8 @@ class ChatCall:
     """X-Rtrl-Edit-Request was sent: it wins over what the run was asked."""
     max_tokens_asked: int | None = None
     """The completion tokens the client asked for when more than the cap (served at the cap)."""
+    surface: Literal["chat", "messages"] = "chat"
+    """The API the client spoke (`CompletionEvent.surface`); all are served as chat."""
     link: RunLink = field(default_factory=lambda: RunLink())
     upstream_wait: UpstreamWait = field(default_factory=lambda: UpstreamWait())
     """How long vLLM took to answer: the rest of the request's time is the gateway's own."""
@@ -731,6 +733,7 @@ _CONTENT_FIELDS = (
 )
 
 
+# One field per line of the event it builds (about forty): long, but read in one pass.
 def completion_parts(
     call: ChatCall,
     assignment: Assignment,
@@ -787,6 +790,7 @@ def completion_parts(
         privacy=private,
         edit_requested=edit_requested,
         tools_declared=bool(request.tools),
+        surface=call.surface,
         trajectory_id=placement.trajectory_id,
         turn_index=placement.turn_index,
         parent_request_id=parent.request_id if parent is not None else None,

@@ -19,13 +19,17 @@ log = logging.getLogger(__name__)
 
 
 def bearer_secret(request: Request) -> str:
-    """The API key from `Authorization: Bearer <key>`; 401 when absent or malformed."""
-    header = request.headers.get("authorization", "")
-    scheme, _, secret = header.partition(" ")
+    """The API key from `Authorization: Bearer <key>`, or from `x-api-key: <key>` (how
+    Anthropic's clients send it) when there is no Authorization header; 401 when absent or
+    malformed."""
+    header = request.headers.get("authorization")
+    if header is None and request.headers.get("x-api-key", "").strip():
+        return request.headers["x-api-key"].strip()
+    scheme, _, secret = (header or "").partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise ApiError(
             401,
-            "Missing API key: send `Authorization: Bearer <key>`.",
+            "Missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
             type="authentication_error",
             code="missing_api_key",
         )
@@ -46,7 +50,7 @@ def require_role(
 
     async def authorized_principal(request: Request) -> Principal:
         session_id = request.cookies.get(cookie, "") if cookie is not None else ""
-        if session_id and not request.headers.get("authorization"):
+        if session_id and not _presents_key(request):
             principal = await session_principal(request, session_id)
         else:
             principal = await principal_for(request, bearer_secret(request))
@@ -62,6 +66,10 @@ def require_role(
         return principal
 
     return authorized_principal
+
+
+def _presents_key(request: Request) -> bool:
+    return bool(request.headers.get("authorization") or request.headers.get("x-api-key"))
 
 
 async def principal_for(request: Request, secret: str) -> Principal:

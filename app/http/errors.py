@@ -1,4 +1,6 @@
-"""Errors in the OpenAI shape, `{"error": {message, type, param, code}}`, on every route."""
+"""Errors in the OpenAI shape, `{"error": {message, type, param, code}}`, on every route but
+Anthropic's Messages API (`/v1/messages`), whose errors come in Anthropic's shape,
+`{"type": "error", "error": {type, message}}`."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.observability import request_id_var
 
 log = logging.getLogger(__name__)
+
+ANTHROPIC_PATH = "/v1/messages"
+"""Errors on this path and under it are answered in Anthropic's shape."""
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -99,8 +104,12 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, code=self.code, param=self.param)
 
-    def response(self) -> Response:
-        """The error as the client gets it."""
+    def response(self, path: str = "") -> Response:
+        """The error as the client gets it (on `path`: in Anthropic's shape under
+        `ANTHROPIC_PATH`)."""
+        if speaks_anthropic(path):
+            body = anthropic_error_body(self.message, status=self.status_code, type=self.type)
+            return error_response(self.status_code, body, self.headers)
         return error_response(self.status_code, self.body(), self.headers)
 
 
@@ -115,8 +124,40 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+_ANTHROPIC_TYPES = {
+    "conflict_error": "invalid_request_error",
+    "service_unavailable": "overloaded_error",
+}
+"""OpenAI-shape error types Anthropic's API names otherwise; the rest it names alike."""
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a request on `path` is answered in Anthropic's terms (`ANTHROPIC_PATH`)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(message: str, *, status: int, type: str) -> dict[str, Any]:
+    """Anthropic's error object; a type of the OpenAI shape is named as Anthropic names it."""
+    if status >= 500 and type not in _ANTHROPIC_TYPES:
+        type = "api_error"
+    return {
+        "type": "error",
+        "error": {"type": _ANTHROPIC_TYPES.get(type, type), "message": message},
+    }
+
+
+def _shaped_for(
+    request: Request, status_code: int, body: dict[str, Any], headers: Mapping[str, str] | None
+) -> Response:
+    """An OpenAI-shape error body, answered in Anthropic's shape where the path asks for it."""
+    if speaks_anthropic(request.url.path):
+        error = body["error"]
+        body = anthropic_error_body(error["message"], status=status_code, type=error["type"])
+    return error_response(status_code, body, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error of the app in the OpenAI shape."""
+    """Answer every error of the app in the OpenAI shape (Anthropic's on its path)."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -137,7 +178,7 @@ class BodySizeLimit:
             return
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await _send_error(send, self._too_large())
+                await _send_error(send, self._too_large(), scope.get("path", ""))
                 return
         received = 0
 
@@ -168,8 +209,8 @@ def error_response(
     return Response(orjson.dumps(body), status_code, headers=headers, media_type="application/json")
 
 
-async def _send_error(send: Send, error: ApiError) -> None:
-    await error.response()({"type": "http"}, _no_receive, send)
+async def _send_error(send: Send, error: ApiError, path: str) -> None:
+    await error.response(path)({"type": "http"}, _no_receive, send)
 
 
 async def _no_receive() -> Message:
@@ -178,14 +219,14 @@ async def _no_receive() -> Message:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error_type = _ERROR_TYPES.get(exc.status_code, "api_error")
-    return error_response(
-        exc.status_code, error_body(str(exc.detail), type=error_type), exc.headers
+    return _shaped_for(
+        request, exc.status_code, error_body(str(exc.detail), type=error_type), exc.headers
     )
 
 
@@ -194,7 +235,8 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     error = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     param = ".".join(str(part) for part in error["loc"]) or None
     message = f"Invalid {param or 'request'}: {error['msg']}"
-    return error_response(400, error_body(message, type="invalid_request_error", param=param))
+    body = error_body(message, type="invalid_request_error", param=param)
+    return _shaped_for(request, 400, body, None)
 
 
 async def _database_unavailable(request: Request, exc: Exception) -> Response:
@@ -205,10 +247,10 @@ async def _database_unavailable(request: Request, exc: Exception) -> Response:
         type="api_error",
         code="database_unavailable",
         retry_after_s=5,
-    ).response()
+    ).response(request.url.path)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc)
     message = f"Internal error; quote request id {request_id_var.get()} when reporting it."
-    return error_response(500, error_body(message, type="api_error"))
+    return _shaped_for(request, 500, error_body(message, type="api_error"), None)

@@ -78,6 +78,10 @@ def plan_nodes(engine: Engine, statement: str, parameters: Any) -> list[dict[str
     try:
         with raw.cursor() as cursor:
             cursor.execute("SET enable_seqscan = off")
+            # The table of touched samples a rollup refresh reads lives only in its transaction.
+            cursor.execute(
+                "CREATE TEMP TABLE IF NOT EXISTS rollup_touched (sample_id bigint PRIMARY KEY)"
+            )
             cursor.execute("EXPLAIN (FORMAT JSON) " + statement, parameters)
             (plan,) = cursor.fetchone()[0]
         raw.rollback()

@@ -18,7 +18,12 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.signals.rewards import LATEST_REWARD_VERSION
+from app.signals.rewards import (
+    FEEDBACK_CLOCK_SKEW_S,
+    LATEST_REWARD_VERSION,
+    MAX_ACCEPT_DELAY_S,
+    reward_open_limit,
+)
 
 
 def embedded_database_url(port: int) -> str:
@@ -134,6 +139,18 @@ class Settings(BaseSettings):
     """Evidence arriving this long after its reward was finalized re-opens and recomputes it;
     later evidence is stored and counted on the reward, not applied."""
 
+    reward_max_accept_delay: timedelta = timedelta(seconds=MAX_ACCEPT_DELAY_S)
+    """Latest acceptance after a completion that still earns a full survival horizon. Every
+    reward is due no later than this + the survival horizon + the grace after its completion
+    was served, and the sweep finalizes one still open then as `censored`; the trainer's
+    cohort does not wait for longer."""
+
+    feedback_clock_skew: timedelta = timedelta(seconds=FEEDBACK_CLOCK_SKEW_S)
+    """How far past the gateway's receipt a feedback event's own `occurred_at` may lie (IDE
+    clocks drift): rewards read it within [served_at, received_at + this], and a survival
+    report may claim at most this more time since the acceptance than had passed when it
+    was received."""
+
     guardrail_interval: timedelta | None = None
     """How often workers test running canaries against their guardrails and roll back the
     harmful ones (seconds or ISO 8601); unset: only when ops ask (`/admin/guardrails/check`)."""
@@ -194,6 +211,24 @@ class Settings(BaseSettings):
 
     max_feedback_batch: int = Field(default=500, ge=1)
     """Most events one `POST /v1/feedback` may carry."""
+
+    feedback_verdicts_per_request: int = Field(default=1, ge=1)
+    """Most `edit_accepted` events, and most `edit_rejected` events, an API key may send on
+    one request; one more is a 409 (`feedback_limit_reached`). Distillation reads whether
+    any was sent and when the first was, so a repeat carries nothing."""
+
+    feedback_survival_reports_per_request: int = Field(default=8, ge=1)
+    """Most `edit_survival` events an API key may send on one request (the usual windows are
+    30 s, 2, 5, 10 and 15 min); one more is a 409 (`feedback_limit_reached`)."""
+
+    feedback_followups_per_request: int = Field(default=4, ge=1)
+    """Most `followup_message` events an API key may send on one request (only the first is
+    read); one more is a 409 (`feedback_limit_reached`)."""
+
+    feedback_session_ends_per_request: int = Field(default=1, ge=1)
+    """Most `session_end` events an API key may send naming one request (a session's end
+    names its last request, and ends every completion of the session); one more is a 409
+    (`feedback_limit_reached`)."""
 
     upstream_timeout_s: float = Field(default=120.0, gt=0)
     """How long the gateway waits for a vLLM replica."""
@@ -328,6 +363,8 @@ class Settings(BaseSettings):
         "survival_horizon",
         "reward_grace",
         "reward_reopen_window",
+        "reward_max_accept_delay",
+        "feedback_clock_skew",
         "guardrail_interval",
         "spool_retention",
         "shutdown_drain",
@@ -350,6 +387,7 @@ class Settings(BaseSettings):
         "survival_horizon",
         "reward_grace",
         "reward_reopen_window",
+        "reward_max_accept_delay",
         "guardrail_interval",
         "retention",
     )
@@ -359,7 +397,7 @@ class Settings(BaseSettings):
             raise ValueError("must be a positive duration")
         return value
 
-    @field_validator("spool_retention", "shutdown_drain")
+    @field_validator("spool_retention", "shutdown_drain", "feedback_clock_skew")
     @classmethod
     def _not_negative(cls, value: timedelta) -> timedelta:
         if value < timedelta(0):
@@ -386,6 +424,15 @@ class Settings(BaseSettings):
     @property
     def base_model_path(self) -> Path:
         return self.base_model or self.data_dir / "models" / "base"
+
+    @property
+    def reward_open_limit(self) -> timedelta:
+        """The longest a reward stays open after its completion was served."""
+        return reward_open_limit(
+            horizon_s=self.survival_horizon.total_seconds(),
+            grace_s=self.reward_grace.total_seconds(),
+            max_accept_delay_s=self.reward_max_accept_delay.total_seconds(),
+        )
 
     @property
     def checkpoints_dir(self) -> Path:

@@ -122,15 +122,23 @@ class CompletionEvent(Event):
         return self
 
 
-class EditAccepted(Event):
+class FeedbackEventBase(Event):
+    """What every IDE signal carries besides its kind."""
+
+    received_at: datetime | None = None
+    """When a gateway accepted the event, stamped there whatever the client sent: the one time
+    of it the client does not choose. None on events queued before gateways stamped it."""
+
+
+class EditAccepted(FeedbackEventBase):
     kind: Literal["edit_accepted"] = "edit_accepted"
 
 
-class EditRejected(Event):
+class EditRejected(FeedbackEventBase):
     kind: Literal["edit_rejected"] = "edit_rejected"
 
 
-class EditSurvival(Event):
+class EditSurvival(FeedbackEventBase):
     """Share of the accepted edit still present `elapsed_s` after acceptance, or a window the
     IDE never observed (`censored`: it closed, or stopped tracking, before the window)."""
 
@@ -147,7 +155,7 @@ class EditSurvival(Event):
         return self
 
 
-class FollowupMessage(Event):
+class FollowupMessage(FeedbackEventBase):
     """The user's next message in the session after this completion."""
 
     kind: Literal["followup_message"] = "followup_message"
@@ -162,7 +170,7 @@ class FollowupMessage(Event):
         return self
 
 
-class SessionEnd(Event):
+class SessionEnd(FeedbackEventBase):
     kind: Literal["session_end"] = "session_end"
     api_key_id: UUID | None = None
     """The key that ended the session (set by the gateway, whatever the client sent): a

@@ -30,6 +30,9 @@ class TrainConfig(BaseModel):
     production checkpoint: skip the cycle, it would publish a near-duplicate of that run."""
     max_samples: int = Field(default=4096, ge=1)
     """Train on at most this many of the most recent samples."""
+    max_source_share: float = Field(default=0.25, gt=0, le=1)
+    """Most of `max_samples` that one API key, or one user, may fill: a key or user gives a
+    batch only its newest `max_source_share × max_samples` samples; 1: no cap."""
     epochs: int = Field(default=2, ge=1)
     """Passes over the on-policy batch."""
     minibatch_size: int = Field(default=64, ge=1)

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from app.models import (
 from app.registry.audit import Actor, audit
 from app.registry.experiments import start_canary
 from app.serving.publish import publish_checkpoint, reconcile
+from app.signals.rewards import REWARD_OPEN_LIMIT
 from trainer.config import TrainConfig
 from trainer.data import (
     OnPolicyBatch,
@@ -177,7 +178,11 @@ def plan_cycle(cycle: CycleContext) -> tuple[CyclePlan, Reference] | CycleResult
         unload_unregistered_adapters(cycle)
     withheld_percent = max(cycle.held_out.withheld_percent, cycle.config.prediction_percent)
     run_id, production, batch, previous = open_run(
-        cycle.engine, cycle.config, cycle.trigger, withheld_percent
+        cycle.engine,
+        cycle.config,
+        cycle.trigger,
+        withheld_percent,
+        open_limit=cycle.settings.reward_open_limit,
     )
     cycle.progress(f"run {run_id}: {len(batch.samples)} on-policy samples of {production.name}")
     skip = skip_reason(batch, previous, cycle.config)
@@ -263,7 +268,11 @@ def this_trainer() -> str:
 
 
 def open_run(
-    engine: Engine, config: TrainConfig, trigger: CycleTrigger, withheld_percent: int = 0
+    engine: Engine,
+    config: TrainConfig,
+    trigger: CycleTrigger,
+    withheld_percent: int = 0,
+    open_limit: timedelta = REWARD_OPEN_LIMIT,
 ) -> tuple[int, Checkpoint, OnPolicyBatch, TrainingRun | None]:
     """Record a running run on the production checkpoint's batch; also returns the last run
     that trained from that checkpoint, if any."""
@@ -276,7 +285,12 @@ def open_run(
                 "no production checkpoint; run `rtrl serve` once to register the base"
             )
         batch = select_on_policy_batch(
-            session, production, max_samples=config.max_samples, withheld_percent=withheld_percent
+            session,
+            production,
+            max_samples=config.max_samples,
+            withheld_percent=withheld_percent,
+            max_share=config.max_source_share,
+            open_limit=open_limit,
         )
         previous = session.scalar(
             select(TrainingRun)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import (
     ARRAY,
@@ -14,6 +15,7 @@ from sqlalchemy import (
     bindparam,
     exists,
     func,
+    or_,
     select,
     text,
     true,
@@ -21,6 +23,10 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session, aliased
 
 from app.models import Checkpoint, ErasedUser, Reward, Sample
+from app.signals.rewards import REWARD_OPEN_LIMIT
+from trainer.config import TrainConfig
+
+MAX_SOURCE_SHARE: float = TrainConfig.model_fields["max_source_share"].default
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,13 @@ def erased_since_selected(session: Session, samples: list[TrainingSample]) -> in
     return len(samples) - int(stored)
 
 
-def cohort_end(session: Session, checkpoint: str, since: datetime) -> datetime | None:
+def cohort_end(
+    session: Session,
+    checkpoint: str,
+    since: datetime,
+    *,
+    open_limit: timedelta = REWARD_OPEN_LIMIT,
+) -> datetime | None:
     """Where the cohort of `checkpoint`'s runs whose every reward is final ends: the serve
     time of the first turn of the earliest run with a reward still open (None: none is open).
 
@@ -96,6 +108,10 @@ def cohort_end(session: Session, checkpoint: str, since: datetime) -> datetime |
     kept edit only at the survival horizon), and a run's earlier turns are credited again
     when its edit's fate is known: the newest finalized samples are mostly rejections and
     interim credit. Samples served before this moment are a cohort chosen by serve time alone.
+
+    A reward due later than `open_limit` after its completion (`reward_open_limit`: no
+    worker sets such a due time, and the sweep finalizes it at that bound) does not hold the
+    cohort back: one acceptance dated decades ahead would otherwise end every cohort there.
     """
     opened = (
         select(Sample.served_at, Sample.trajectory_id)
@@ -105,6 +121,7 @@ def cohort_end(session: Session, checkpoint: str, since: datetime) -> datetime |
             Sample.served_at >= since,
             Reward.served_at >= since,  # the same day partitions as the samples
             Reward.finalized_at.is_(None),
+            Reward.due_at <= Reward.served_at + open_limit,
         )
         .subquery()
     )
@@ -145,41 +162,81 @@ def production_samples(
     )
 
 
+def source_cap(max_samples: int, max_share: float) -> int | None:
+    """Most samples one API key, or one user, may give a batch of `max_samples`; None: no cap."""
+    if max_share >= 1:
+        return None
+    return max(1, math.floor(max_share * max_samples))
+
+
 def select_on_policy_batch(
-    session: Session, production: Checkpoint, *, max_samples: int, withheld_percent: int = 0
+    session: Session,
+    production: Checkpoint,
+    *,
+    max_samples: int,
+    withheld_percent: int = 0,
+    max_share: float = MAX_SOURCE_SHARE,
+    open_limit: timedelta = REWARD_OPEN_LIMIT,
 ) -> OnPolicyBatch:
     """The newest samples of the cohort the production checkpoint served whose rewards are
     all final (`cohort_end`): chosen by serve time, never by when their outcome was known.
 
     Only samples that checkpoint generated are on-policy for it; privacy-mode and
     untrainable samples, those without logged tokens, the slice the evaluation gate holds
-    out (`withheld_percent`) and erased users' samples are never trained on.
+    out (`withheld_percent`) and erased users' samples are never trained on. No API key and
+    no user gives more than `max_share` of `max_samples` (`source_cap`): a sample is taken
+    only while it is among its key's newest and its user's newest that many, so one key
+    sending at its rate limit before a cycle cannot make the cycle its own.
     """
     since = production.published_at or production.created_at
-    end = cohort_end(session, production.name, since)
-    rows = session.execute(
-        select(
-            Sample.id,
-            Sample.prompt_token_ids,
-            Sample.completion_token_ids,
-            Sample.behaviour_logprobs,
-            Reward.reward,
-            Sample.served_at,
-            Sample.temperature,
-            Sample.tools_declared,
-            Sample.turn_index,
-            Sample.edit_requested,
-            Sample.trajectory_id,
-        )
+    end = cohort_end(session, production.name, since, open_limit=open_limit)
+    columns = (
+        Sample.id,
+        Sample.prompt_token_ids,
+        Sample.completion_token_ids,
+        Sample.behaviour_logprobs,
+        Reward.reward,
+        Sample.served_at,
+        Sample.temperature,
+        Sample.tools_declared,
+        Sample.turn_index,
+        Sample.edit_requested,
+        Sample.trajectory_id,
+    )
+    newest_first = (Sample.served_at.desc(), Sample.id.desc())  # one order: a seed repeats a run
+    eligible = (
+        select(*columns)
         .join(Reward, Reward.sample_id == Sample.id)
         .where(
             production_samples(production, since, end),
             Reward.reward.is_not(None),
             ~withheld(withheld_percent),
         )
-        .order_by(Sample.served_at.desc(), Sample.id.desc())  # one order: a seed repeats a run
-        .limit(max_samples)
-    ).all()
+    )
+    cap = source_cap(max_samples, max_share)
+    if cap is None:
+        query = eligible.order_by(*newest_first).limit(max_samples)
+    else:
+        ranked = eligible.add_columns(
+            Sample.api_key_id,
+            func.row_number()
+            .over(partition_by=Sample.api_key_id, order_by=newest_first)
+            .label("nth_of_key"),
+            func.row_number()
+            .over(partition_by=Sample.user_hash, order_by=newest_first)
+            .label("nth_of_user"),
+        ).subquery()
+        query = (
+            select(*(ranked.c[column.key] for column in columns))
+            .where(
+                # Samples logged before keys were recorded share no key.
+                or_(ranked.c.api_key_id.is_(None), ranked.c.nth_of_key <= cap),
+                ranked.c.nth_of_user <= cap,
+            )
+            .order_by(ranked.c.served_at.desc(), ranked.c.id.desc())
+            .limit(max_samples)
+        )
+    rows = session.execute(query).all()
     samples = [
         TrainingSample(
             sample_id=row.id,

@@ -9,7 +9,7 @@ from typing import Any
 
 from app.config import Settings
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC, FEEDBACK_TOPIC
-from app.signals.rewards import LATEST_REWARD_VERSION
+from app.signals.rewards import FEEDBACK_CLOCK_SKEW_S, LATEST_REWARD_VERSION, MAX_ACCEPT_DELAY_S
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,11 @@ class WorkerConfig:
     """Extra wait after the horizon for late survival reports before the sweep finalizes."""
     reopen_window: timedelta = timedelta(hours=1)
     """Evidence this long after finalization still re-opens a reward; later, it is counted."""
+    max_accept_delay: timedelta = timedelta(seconds=MAX_ACCEPT_DELAY_S)
+    """The latest acceptance after its completion that still earns a survival horizon; the
+    reward is due by this plus the horizon and the grace, whatever the client's times say."""
+    feedback_clock_skew: timedelta = timedelta(seconds=FEEDBACK_CLOCK_SKEW_S)
+    """How far past its receipt at a gateway an event's own time may lie."""
     sweep_interval_s: float | None = 30.0
     """Seconds between finalization sweeps inside the worker loop; None: never."""
     monitor_interval_s: float | None = 60.0
@@ -87,6 +92,8 @@ class WorkerConfig:
             tpot_budget_ms=settings.tpot_budget_ms,
             finalization_grace=settings.reward_grace,
             reopen_window=settings.reward_reopen_window,
+            max_accept_delay=settings.reward_max_accept_delay,
+            feedback_clock_skew=settings.feedback_clock_skew,
             guardrail_interval_s=(
                 settings.guardrail_interval.total_seconds() if settings.guardrail_interval else None
             ),

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
@@ -42,7 +42,7 @@ from app.heartbeat import Heartbeat
 from app.kafka.clients import COMPRESSION, kafka_client, kafka_security
 from app.kafka.topic_ids import TopicIds
 from app.kafka.topics import check_topic_durability
-from app.signals.rewards import reward_weights
+from app.signals.rewards import reward_open_limit, reward_weights
 from workers.config import WorkerConfig
 from workers.metrics import (
     BATCH_SECONDS,
@@ -626,7 +626,18 @@ def run_worker(
 def sweep(engine: Engine, config: WorkerConfig, watermarks: Mapping[int, datetime]) -> None:
     """Finalize the owned partitions' due rewards, then measure how late the oldest open is."""
     REWARDS_SWEPT.inc(finalize_due_rewards(engine, config, watermarks=watermarks))
-    REWARDS_OVERDUE.set(overdue_seconds(engine, datetime.now(UTC)))
+    REWARDS_OVERDUE.set(
+        overdue_seconds(engine, datetime.now(UTC), open_limit=open_limit_of(config))
+    )
+
+
+def open_limit_of(config: WorkerConfig) -> timedelta:
+    """The longest a reward stays open after its completion was served (`reward_open_limit`)."""
+    return reward_open_limit(
+        horizon_s=config.survival_horizon.total_seconds(),
+        grace_s=config.finalization_grace.total_seconds(),
+        max_accept_delay_s=config.max_accept_delay.total_seconds(),
+    )
 
 
 def record_lag(consumer: KafkaConsumer, topics: Sequence[str]) -> None:

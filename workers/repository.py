@@ -26,6 +26,7 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
     cast,
     func,
     null,
@@ -84,6 +85,7 @@ FEEDBACK_SIGNAL_COLUMNS: tuple[ColumnElement[Any], ...] = (
     null().label("message"),
     feedback_events.c.dissatisfied,
     feedback_events.c.api_key_id,
+    feedback_events.c.received_at,
 )
 assert [column.name for column in FEEDBACK_SIGNAL_COLUMNS] == [
     field.name for field in dataclasses.fields(Signal)
@@ -446,18 +448,42 @@ def count_late_evidence(conn: Connection, sample_ids: Collection[int]) -> None:
         )
 
 
+FEEDBACK_ROWS_PER_KIND = 64
+"""Most events of one kind read for one request (and `session_end` events for one session and
+key): the first received. The gateway accepts far fewer (`RTRL_FEEDBACK_*` limits), so this
+only bounds what a request id flooded past those limits costs every batch that touches it."""
+
+
 def load_feedback_signals(
     conn: Connection, request_ids: Collection[str], session_ids: Collection[str]
 ) -> list[Row[Any]]:
-    """The feedback of these requests, and the `session_end` events of these sessions."""
-    query = select(*FEEDBACK_SIGNAL_COLUMNS).where(
-        or_(
-            feedback_events.c.request_id == _any("rids", String),
-            and_(
-                feedback_events.c.kind == "session_end",
-                feedback_events.c.session_id == _any("sids", String),
+    """The feedback of these requests, and the `session_end` events of these sessions: of each
+    kind, the first `FEEDBACK_ROWS_PER_KIND` received."""
+    is_end = feedback_events.c.kind == "session_end"
+    nth = (
+        func.row_number()
+        .over(
+            partition_by=(
+                feedback_events.c.kind,
+                case((is_end, feedback_events.c.session_id), else_=feedback_events.c.request_id),
+                feedback_events.c.api_key_id,
             ),
+            order_by=(feedback_events.c.received_at, feedback_events.c.event_id),
         )
+        .label("nth")
+    )
+    found = (
+        select(*FEEDBACK_SIGNAL_COLUMNS, nth)
+        .where(
+            or_(
+                feedback_events.c.request_id == _any("rids", String),
+                and_(is_end, feedback_events.c.session_id == _any("sids", String)),
+            )
+        )
+        .subquery()
+    )
+    query = select(*(found.c[column.name] for column in FEEDBACK_SIGNAL_COLUMNS)).where(
+        found.c.nth <= FEEDBACK_ROWS_PER_KIND
     )
     params = {"rids": text_array(request_ids), "sids": text_array(session_ids)}
     return list(conn.execute(query, params).all())

@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, cast
 
+from prometheus_client import Counter
 from sqlalchemy import Connection, Row
 
 from app.events import (
@@ -48,6 +49,22 @@ from workers.repository import (
     set_rewards,
     upsert_rewards,
 )
+
+SURVIVAL_REPORTS_IGNORED = Counter(
+    "rtrl_survival_reports_ignored_total",
+    "Survival reports distillation left out because they claimed more time since the "
+    "acceptance than had passed when a gateway received them (counted once per report).",
+)
+
+
+def clock_skew_s(config: WorkerConfig) -> float:
+    """How far past its receipt an event's own time may lie (`feedback_clock_skew`)."""
+    return config.feedback_clock_skew.total_seconds()
+
+
+def max_accept_delay_s(config: WorkerConfig) -> float:
+    """The latest acceptance that still earns a full survival horizon (`max_accept_delay`)."""
+    return config.max_accept_delay.total_seconds()
 
 
 def sample_row(event: CompletionEvent) -> dict[str, Any]:
@@ -135,6 +152,9 @@ def feedback_row(event: Feedback) -> dict[str, Any]:
         "dissatisfied": None,
         "occurred_at": event.occurred_at,
         "api_key_id": event.api_key_id if isinstance(event, SessionEnd) else None,
+        # An event from before gateways stamped their receipt is taken as received when it
+        # says it occurred, as it always was.
+        "received_at": event.received_at or event.occurred_at,
     }
     if isinstance(event, EditSurvival):
         row["elapsed_s"] = event.elapsed_s
@@ -184,11 +204,28 @@ def store_events(
     changed_open = [
         row for row, sample in zip(refreshed, still_open, strict=True) if _changed(row, sample)
     ]
+    count_ignored_reports(changed_open, still_open)
     upsert_rewards(conn, changed_open)
     final = [s for s in touched if s.finalized_at is not None and s.request_id in evidence]
     changed = len(changed_open) + reconsider_final_rewards(conn, final, feedback, config, now=now)
     credit_runs(conn, {s.trajectory_id for s in touched if s.trajectory_id}, config.reward_version)
     return changed
+
+
+def count_ignored_reports(rows: Sequence[dict[str, Any]], samples: Sequence[Row[Any]]) -> None:
+    """Count the survival reports these refreshed rewards leave out that their stored state
+    did not: each report once, whichever batch first left it out."""
+    stored = {sample.id: (sample.components or {}) for sample in samples}
+    new = sum(
+        max(
+            0,
+            row["components"]["survival_reports_ignored"]
+            - stored[row["sample_id"]].get("survival_reports_ignored", 0),
+        )
+        for row in rows
+    )
+    if new:
+        SURVIVAL_REPORTS_IGNORED.inc(new)
 
 
 def _changed(row: dict[str, Any], sample: Row[Any]) -> bool:
@@ -273,6 +310,7 @@ def reconsider_final_rewards(
             sample.finalize_reason,
         ):
             reopened.append(row)
+    count_ignored_reports(reopened, final_samples)
     reopen_rewards(conn, reopened)
     count_late_evidence(conn, late)
     return len(reopened)
@@ -289,7 +327,7 @@ def reward_row(
     """The reward record of a sample given all its feedback, final or still open at `now`."""
     # The sample's row carries what distillation reads of its completion (`Served`).
     completion: Served = sample
-    events = evidence_for(completion, events)
+    events = evidence_for(completion, events, clock_skew_s=clock_skew_s(config))
     components = distil_components(
         completion,
         events,
@@ -298,11 +336,16 @@ def reward_row(
         ttft_budget_ms=config.ttft_budget_ms,
         tpot_budget_ms=config.tpot_budget_ms,
     )
+    delay_s = max_accept_delay_s(config)
+    # The stream finalizes on what it sees; finalizing on time alone is the sweep's.
     reason = finalize_reason(
-        completion, events, horizon_s=config.horizon_s, grace_s=config.grace_s, now=now
+        completion,
+        events,
+        horizon_s=config.horizon_s,
+        grace_s=config.grace_s,
+        now=now if sweeping else None,
+        max_accept_delay_s=delay_s,
     )
-    if reason == "timeout" and not sweeping:
-        reason = None
     return {
         "sample_id": sample.id,
         "served_at": sample.served_at,
@@ -310,7 +353,11 @@ def reward_row(
         "reward": compute_reward(components, config.reward_version) if reason else None,
         "reward_version": config.reward_version,
         "due_at": reward_due_at(
-            completion, events, horizon_s=config.horizon_s, grace_s=config.grace_s
+            completion,
+            events,
+            horizon_s=config.horizon_s,
+            grace_s=config.grace_s,
+            max_accept_delay_s=delay_s,
         ),
         "finalized_at": now if reason else None,
         "finalize_reason": reason,

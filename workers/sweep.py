@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import (
     ARRAY,
@@ -14,6 +14,7 @@ from sqlalchemy import (
     Engine,
     Float,
     Integer,
+    Select,
     and_,
     bindparam,
     cast,
@@ -23,10 +24,16 @@ from sqlalchemy import (
     text,
 )
 
-from app.signals.rewards import RewardComponents, compute_reward, reward_weights
+from app.signals.rewards import (
+    REWARD_OPEN_LIMIT,
+    RewardComponents,
+    compute_reward,
+    reward_open_limit,
+    reward_weights,
+)
 from workers.config import WorkerConfig
 from workers.repository import load_open_samples, lock_partitions, rewards, samples
-from workers.store import credit_runs, refresh_rewards
+from workers.store import credit_runs, max_accept_delay_s, refresh_rewards
 
 SWEEP_CHUNK = 500
 RECOMPUTE_CHUNK = 5000
@@ -56,16 +63,22 @@ def finalize_due(
     under its partition lock, so a worker never times out a reward whose feedback it (or a
     lagging peer) has not read yet. Without, every partition is due by `now` (ops' sweeps).
     Each is distilled once more from all its feedback first, so the final record is complete.
+
+    A reward stored with a due time past its bound (`reward_open_limit` after its completion,
+    as no worker sets now) is swept too once that bound has passed: distilled again, it is
+    due at its bound and finalized.
     """
-    query = (
-        select(rewards.c.sample_id)
-        .where(rewards.c.finalized_at.is_(None))
-        .order_by(rewards.c.due_at)
-        .limit(limit)
-        .with_for_update(of=rewards, skip_locked=True)
+    open_limit = reward_open_limit(
+        horizon_s=config.horizon_s,
+        grace_s=config.grace_s,
+        max_accept_delay_s=max_accept_delay_s(config),
     )
+    due_query = _open_rewards(limit).order_by(rewards.c.due_at)
+    # Far past any due time a worker sets now: due_at > now + open_limit > served_at + open_limit.
+    stuck_query = _open_rewards(limit).where(rewards.c.due_at > now + open_limit)
     if watermarks is None:
-        query = query.where(rewards.c.due_at <= now)
+        due_query = due_query.where(rewards.c.due_at <= now)
+        stuck_query = stuck_query.where(rewards.c.served_at <= now - open_limit)
     else:
         if not watermarks:
             return 0
@@ -78,8 +91,8 @@ def finalize_due(
             .table_valued("partition", "mark")
             .render_derived()
         )
-        query = (
-            query.join(samples, samples.c.id == rewards.c.sample_id)
+        due_query = (
+            due_query.join(samples, samples.c.id == rewards.c.sample_id)
             .outerjoin(marks, marks.c.partition == samples.c.kafka_partition)
             .where(
                 or_(
@@ -89,13 +102,37 @@ def finalize_due(
                 )
             )
         )
-    due = conn.execute(query).scalars().all()
+        stuck_query = (
+            stuck_query.join(samples, samples.c.id == rewards.c.sample_id)
+            .outerjoin(marks, marks.c.partition == samples.c.kafka_partition)
+            .where(
+                or_(
+                    rewards.c.served_at + open_limit <= marks.c.mark,
+                    and_(
+                        samples.c.kafka_partition.is_(None),
+                        rewards.c.served_at <= now - open_limit,
+                    ),
+                )
+            )
+        )
+    due = [*conn.execute(due_query).scalars()]
+    due += [sample_id for sample_id in conn.execute(stuck_query).scalars() if sample_id not in due]
     if not due:
         return 0
     swept = load_open_samples(conn, sample_ids=due)
     refresh_rewards(conn, swept, config, now=now, sweeping=True)
     credit_runs(conn, {s.trajectory_id for s in swept if s.trajectory_id}, config.reward_version)
     return len(due)
+
+
+def _open_rewards(limit: int) -> Select[tuple[int]]:
+    """Up to `limit` open rewards' sample ids, locked; rows another sweeper holds are skipped."""
+    return (
+        select(rewards.c.sample_id)
+        .where(rewards.c.finalized_at.is_(None))
+        .limit(limit)
+        .with_for_update(of=rewards, skip_locked=True)
+    )
 
 
 def finalize_due_rewards(
@@ -170,10 +207,23 @@ def _transaction(bind: Engine | Connection) -> Iterator[Connection]:
             yield bind
 
 
-def overdue_seconds(engine: Engine, now: datetime) -> float:
-    """How long past its due time the oldest open reward is; 0 when none is overdue."""
+def overdue_seconds(
+    engine: Engine, now: datetime, *, open_limit: timedelta = REWARD_OPEN_LIMIT
+) -> float:
+    """How long past its due time the oldest open reward is; 0 when none is overdue.
+
+    A reward is due by `open_limit` after its completion was served, whatever its `due_at`
+    says: workers set none later, and one stored with a due time in the far future (beyond
+    `now + open_limit`) counts by its age, so it cannot hide from the alert.
+    """
     with engine.connect() as conn:
-        oldest = conn.scalar(
+        earliest_due = conn.scalar(
             select(func.min(rewards.c.due_at)).where(rewards.c.finalized_at.is_(None))
         )
-    return max(0.0, (now - oldest).total_seconds()) if oldest is not None else 0.0
+        stuck_since = conn.scalar(
+            select(func.min(rewards.c.served_at)).where(
+                rewards.c.finalized_at.is_(None), rewards.c.due_at > now + open_limit
+            )
+        )
+    due = [moment for moment in (earliest_due, stuck_since and stuck_since + open_limit) if moment]
+    return max(0.0, (now - min(due)).total_seconds()) if due else 0.0

@@ -25,6 +25,7 @@ from app.abtest.assignment import hash_user
 from app.auth.schemas import Principal
 from app.client_events.schemas import ContinueEnvelope, ContinueEventOutcome
 from app.client_events.service import Owner, accept_continue_event
+from app.feedback.service import FeedbackLimits
 from app.gateway.trajectories import run_owner
 from app.http.bodies import parse_body
 from app.http.dependencies import require_role
@@ -64,7 +65,12 @@ async def post_continue_event(
     )
     try:
         return await accept_continue_event(
-            state.redis, state.sink, owner, envelope.name, envelope.data
+            state.redis,
+            state.sink,
+            owner,
+            envelope.name,
+            envelope.data,
+            FeedbackLimits.from_settings(settings),
         )
     except RedisError:
         raise ApiError.service_unavailable(

@@ -19,7 +19,7 @@ from prometheus_client import Counter
 from redis.asyncio import Redis
 
 from app.client_events.schemas import ContinueEventOutcome, ContinueOutcome
-from app.feedback.service import accept_feedback
+from app.feedback.service import FeedbackLimits, accept_feedback
 from app.gateway.joins import request_of_answer, request_of_tool_call
 from app.gateway.service import Served, request_key
 from app.gateway.sink import EventSink
@@ -164,7 +164,12 @@ def event_id(owner: Owner, name: str, request_id: str, kind: str, data: dict[str
 
 
 async def accept_continue_event(
-    redis: Redis, sink: EventSink, owner: Owner, name: str, data: dict[str, Any]
+    redis: Redis,
+    sink: EventSink,
+    owner: Owner,
+    name: str,
+    data: dict[str, Any],
+    limits: FeedbackLimits | None = None,
 ) -> ContinueEventOutcome:
     """Join one Continue event to its completion and queue the feedback it carries."""
     signal = read_signal(name, data)
@@ -186,7 +191,12 @@ async def accept_continue_event(
         for fields in signal.feedback
     ]
     accepted = await accept_feedback(
-        redis, sink, events, api_key_id=owner.api_key_id, privacy=owner.privacy
+        redis,
+        sink,
+        events,
+        api_key_id=owner.api_key_id,
+        privacy=owner.privacy,
+        limits=limits,
     )
     kinds = [event["kind"] for event in events]
     return _counted(name, "mapped" if accepted.accepted else "duplicate", kinds, request_id)

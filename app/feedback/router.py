@@ -7,7 +7,7 @@ from redis.exceptions import RedisError
 
 from app.auth.schemas import Principal
 from app.feedback.schemas import FeedbackAccepted, FeedbackBatch
-from app.feedback.service import accept_feedback
+from app.feedback.service import FeedbackLimits, accept_feedback
 from app.http.bodies import parse_body
 from app.http.dependencies import require_role
 from app.http.errors import ApiError
@@ -24,9 +24,12 @@ async def post_feedback(
     """Queue a batch of IDE events; any invalid event rejects the batch with 422.
 
     Events are idempotent by `event_id`: a resent batch is answered 202 again and counted
-    as duplicates. An event on a request this key was not served is answered 404. Follow-up
-    messages on a privacy-mode completion (or sent with `X-Rtrl-Privacy: 1`, or by a
-    privacy-mode key) are classified here and their text is dropped.
+    as duplicates. An event on a request this key was not served is answered 404. An event
+    past the key's limit for its kind on its request (`RTRL_FEEDBACK_*_PER_REQUEST`) is
+    answered 409 `feedback_limit_reached`, naming it in `param`. Each event is stamped with
+    the time the gateway received it (`received_at`). Follow-up messages on a privacy-mode
+    completion (or sent with `X-Rtrl-Privacy: 1`, or by a privacy-mode key) are classified
+    here and their text is dropped.
     """
     state = app_state(request.app)
     settings = state.settings
@@ -48,6 +51,7 @@ async def post_feedback(
             batch.events,
             api_key_id=principal.key_id,
             privacy=privacy,
+            limits=FeedbackLimits.from_settings(settings),
         )
     except RedisError:
         raise ApiError.service_unavailable(

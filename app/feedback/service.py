@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
+import orjson
+from prometheus_client import Counter
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
+from app.config import Settings
 from app.events import (
+    FEEDBACK_KINDS,
     FEEDBACK_TOPIC,
     EditAccepted,
     EditRejected,
@@ -19,12 +25,21 @@ from app.events import (
     feedback_adapter,
 )
 from app.feedback.schemas import FeedbackAccepted
-from app.gateway.service import Served, request_key
+from app.gateway.service import REQUEST_ID_TTL_S, Served, request_key
 from app.gateway.sink import EventSink
 from app.http.errors import ApiError
 from app.signals.followup import is_dissatisfied
 
 Feedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd
+
+FEEDBACK_LIMITED = Counter(
+    "rtrl_feedback_limited_total",
+    "Feedback batches refused (409 feedback_limit_reached) because an event would take its "
+    "request past the API key's limit for that kind, by the kind of the event named.",
+    ["kind"],
+)
+for _kind in FEEDBACK_KINDS:
+    FEEDBACK_LIMITED.labels(_kind)
 
 
 def invalid_event(index: int, field: str | None, message: str, code: str) -> ApiError:
@@ -129,6 +144,129 @@ def seen_key(event_id: uuid.UUID) -> str:
     return f"rtrl:fb:{event_id}"
 
 
+_DEFAULTS = Settings.model_fields
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackLimits:
+    """Most events of each kind one API key may send on one request; see
+    `reserve_within_limits`."""
+
+    verdicts: int = _DEFAULTS["feedback_verdicts_per_request"].default
+    survival_reports: int = _DEFAULTS["feedback_survival_reports_per_request"].default
+    followups: int = _DEFAULTS["feedback_followups_per_request"].default
+    session_ends: int = _DEFAULTS["feedback_session_ends_per_request"].default
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> FeedbackLimits:
+        return cls(
+            verdicts=settings.feedback_verdicts_per_request,
+            survival_reports=settings.feedback_survival_reports_per_request,
+            followups=settings.feedback_followups_per_request,
+            session_ends=settings.feedback_session_ends_per_request,
+        )
+
+    def by_kind(self) -> dict[str, int]:
+        return {
+            "edit_accepted": self.verdicts,
+            "edit_rejected": self.verdicts,
+            "edit_survival": self.survival_reports,
+            "followup_message": self.followups,
+            "session_end": self.session_ends,
+        }
+
+
+# Atomic, so concurrent batches cannot both take the last place. Each counted key is a hash
+# of the event ids it holds (event id -> kind): an event counted once is never counted again,
+# so a batch retried after a gateway died between counting and spooling is still taken.
+_RESERVE = """
+local ttl = tonumber(ARGV[1])
+local limits = cjson.decode(ARGV[2])
+local groups = cjson.decode(ARGV[3])
+for i, key in ipairs(KEYS) do
+  local held = redis.call('HGETALL', key)
+  local known, counts = {}, {}
+  for j = 1, #held, 2 do
+    known[held[j]] = true
+    counts[held[j + 1]] = (counts[held[j + 1]] or 0) + 1
+  end
+  for _, event in ipairs(groups[i]) do
+    if not known[event[1]] then
+      known[event[1]] = true
+      counts[event[2]] = (counts[event[2]] or 0) + 1
+      if counts[event[2]] > limits[event[2]] then
+        return event[1]
+      end
+    end
+  end
+end
+for i, key in ipairs(KEYS) do
+  for _, event in ipairs(groups[i]) do
+    redis.call('HSETNX', key, event[1], event[2])
+  end
+  redis.call('EXPIRE', key, ttl)
+end
+return false
+"""
+
+
+def limit_key(api_key_id: uuid.UUID, request_id: str) -> str:
+    """The Redis hash of the events this key sent on one request (event id -> kind)."""
+    return f"rtrl:fbn:{api_key_id}:{request_id}"
+
+
+async def reserve_within_limits(
+    redis: Redis,
+    events: Sequence[Feedback],
+    indexes: Mapping[uuid.UUID, int],
+    *,
+    api_key_id: uuid.UUID,
+    limits: FeedbackLimits,
+) -> None:
+    """Count the new events against the key's limits per request and kind; all or none.
+
+    One over its limit refuses the batch with a 409 naming it (`indexes`: each event id's
+    place in the batch as sent), and nothing is counted. The counts last as long as the
+    request takes feedback (`REQUEST_ID_TTL_S` after the last event counted).
+    """
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for event in events:
+        groups.setdefault(limit_key(api_key_id, event.request_id), []).append(
+            (str(event.event_id), event.kind)
+        )
+    if not groups:
+        return
+    over = await redis.eval(
+        _RESERVE,
+        len(groups),
+        *groups,
+        REQUEST_ID_TTL_S,
+        orjson.dumps(limits.by_kind()),
+        orjson.dumps(list(groups.values())),
+    )
+    if over is None:
+        return
+    event_id = uuid.UUID(over.decode() if isinstance(over, bytes) else str(over))
+    event = next(event for event in events if event.event_id == event_id)
+    FEEDBACK_LIMITED.labels(event.kind).inc()
+    raise over_limit(indexes[event_id], event, limits.by_kind()[event.kind])
+
+
+def over_limit(index: int, event: Feedback, limit: int) -> ApiError:
+    """The 409 for an event past its key's limit: the event is named, so a client that drops
+    it can send the rest of the batch again."""
+    param = f"events[{index}]"
+    return ApiError(
+        409,
+        f"{param}: this API key may send at most {limit} {event.kind} event(s) on request "
+        f"{event.request_id!r}, and has; nothing in this batch was taken: send the batch "
+        "again without this event",
+        type="conflict_error",
+        code="feedback_limit_reached",
+        param=param,
+    )
+
+
 async def accept_feedback(
     redis: Redis,
     sink: EventSink,
@@ -136,29 +274,42 @@ async def accept_feedback(
     *,
     api_key_id: uuid.UUID,
     privacy: bool,
+    limits: FeedbackLimits | None = None,
+    now: datetime | None = None,
 ) -> FeedbackAccepted:
     """Validate all, then publish the new ones to `rtrl.feedback.v1`; all or nothing.
 
     A privacy-mode completion's feedback is private whatever this call says: privacy was
-    decided once, when the completion was served.
+    decided once, when the completion was served. Each event is stamped with the time this
+    gateway received it (`received_at`), whatever the client sent. An event that would take
+    its request past this key's limit for its kind (`FeedbackLimits`) refuses the batch (409).
     """
     events = parse_events(raw_events)
     served = await served_requests(redis, events, api_key_id)
+    received_at = now or datetime.now(UTC)
     events = [
         without_content(event) if privacy or request.privacy else event
         for event, request in zip(events, served, strict=True)
     ]
     # A session's end is this key's: it finalizes no other key's completions.
     events = [
-        event.model_copy(update={"api_key_id": api_key_id})
-        if isinstance(event, SessionEnd)
-        else event
+        event.model_copy(
+            update={"received_at": received_at}
+            | ({"api_key_id": api_key_id} if isinstance(event, SessionEnd) else {})
+        )
         for event in events
     ]
-    # Spooled first, marked seen after: a gateway that dies between the two has the event on
-    # its spool, or not at all and the IDE's retry is taken; never marked and lost. Two
-    # identical batches at once may both be spooled; workers keep one record per event id.
+    indexes: dict[uuid.UUID, int] = {}
+    for index, event in enumerate(events):
+        indexes.setdefault(event.event_id, index)
+    # Counted, spooled, then marked seen: a gateway that dies between any two has the event
+    # on its spool, or not at all and the IDE's retry is taken (counting an id again adds
+    # nothing); never marked and lost. Two identical batches at once may both be spooled;
+    # workers keep one record per event id.
     new = await unseen(redis, events)
+    await reserve_within_limits(
+        redis, new, indexes, api_key_id=api_key_id, limits=limits or FeedbackLimits()
+    )
     for event in new:
         sink.publish(FEEDBACK_TOPIC, event.session_id, event)
     await mark_seen(redis, new)

@@ -8,6 +8,13 @@ Every decision here is a function of the *set* of events, never of their arrival
 finality comes from evidence (the horizon report; a session that ended with nothing left to
 report) or from event time (horizon + grace after acceptance), so the worker reaches the
 same record whichever event it saw first.
+
+An event's own time (`occurred_at`) is the client's to set, so it is read only within
+`[served_at, received_at + clock skew]`: the completion was served before anything happened
+to it, and nothing happened after the gateway received the event. A survival report that
+claims more time since the acceptance than had passed when the gateway received it is left
+out (and counted), and a reward is due no later than `reward_open_limit` after its
+completion, however late the acceptance says it came.
 """
 
 from __future__ import annotations
@@ -33,12 +40,32 @@ from app.signals.followup import is_dissatisfied
 Feedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage | SessionEnd
 FinalizeReason = Literal["horizon", "censored", "session_end", "timeout"]
 """horizon: a survival report at (or past) the horizon arrived; censored: the IDE said it will
-observe no more windows (it closed); session_end: the session ended and nothing more can be
-reported (no edit accepted); timeout: horizon + grace passed since acceptance, or since the
-completion if never accepted."""
+observe no more windows (it closed), or the acceptance came more than the max accept delay
+after the completion and the reward's time bound passed (`reward_open_limit`); session_end:
+the session ended and nothing more can be reported (no edit accepted); timeout: horizon +
+grace passed since acceptance, or since the completion if never accepted."""
 
 HORIZON_TOLERANCE_S = 1.0
 """A survival report within this of the horizon is the horizon report (IDE timers drift)."""
+
+FEEDBACK_CLOCK_SKEW_S = 60.0
+"""How far past the gateway's receipt an event's own time may lie (IDE clocks drift)."""
+
+MAX_ACCEPT_DELAY_S = 3600.0
+"""Longest wait between a completion and its acceptance that still earns a full survival
+horizon; a later acceptance's reward is finalized (censored) at the bound."""
+
+
+def reward_open_limit(
+    *, horizon_s: float, grace_s: float, max_accept_delay_s: float = MAX_ACCEPT_DELAY_S
+) -> timedelta:
+    """The longest a reward stays open after its completion was served: the latest
+    acceptance that counts, the survival horizon, and the grace for late reports."""
+    return timedelta(seconds=max_accept_delay_s + horizon_s + grace_s)
+
+
+REWARD_OPEN_LIMIT = reward_open_limit(horizon_s=15 * 60, grace_s=2 * 60)
+"""`reward_open_limit` with the default survival horizon (15 min) and grace (2 min)."""
 
 
 class RewardComponents(BaseModel):
@@ -72,6 +99,9 @@ class RewardComponents(BaseModel):
     tpot_over_budget: bool = False
     clarifying_question: bool = False
     """The answer asked a question instead of acting (no code, no tool call)."""
+    survival_reports_ignored: int = Field(default=0, ge=0)
+    """Survival reports left out: each claimed more time since the acceptance than had passed
+    when the gateway received it."""
 
     @property
     def kept_unknown(self) -> bool:
@@ -182,6 +212,9 @@ class Signal:
     message: str | None = None
     dissatisfied: bool | None = None
     api_key_id: UUID | None = None
+    received_at: datetime | None = None
+    """When a gateway accepted it; None (events from before gateways stamped it): taken as
+    received when it says it occurred."""
 
 
 def signal_of(event: Feedback | Signal) -> Signal:
@@ -189,7 +222,12 @@ def signal_of(event: Feedback | Signal) -> Signal:
     if isinstance(event, Signal):
         return event
     signal = Signal(
-        event.kind, event.event_id, event.request_id, event.session_id, event.occurred_at
+        event.kind,
+        event.event_id,
+        event.request_id,
+        event.session_id,
+        event.occurred_at,
+        received_at=event.received_at,
     )
     if isinstance(event, EditSurvival):
         return replace(
@@ -237,17 +275,29 @@ class Served(Protocol):
 
 
 class Evidence(list[Signal]):
-    """One completion's feedback, deduplicated and in canonical order (see `evidence_for`)."""
+    """One completion's feedback, deduplicated, its times bounded, in canonical order (see
+    `evidence_for`)."""
 
     request_id: str = ""
+    survival_reports_ignored: int = 0
+    """Survival reports left out: measured, by their own account, after they were received."""
 
 
-def evidence_for(completion: Served, feedback: Iterable[Feedback | Signal]) -> Evidence:
-    """This completion's feedback, once per event_id, in a canonical order.
+def evidence_for(
+    completion: Served,
+    feedback: Iterable[Feedback | Signal],
+    *,
+    clock_skew_s: float = FEEDBACK_CLOCK_SKEW_S,
+) -> Evidence:
+    """This completion's feedback, once per event_id, each at a time it can have happened,
+    in a canonical order.
 
     A session ends once for all its requests, so `session_end` matches on the session;
-    every other signal matches on the request. Evidence already gathered for the completion
-    is returned as it is, so the functions below can share one gathering.
+    every other signal matches on the request. Each signal's `occurred_at` is read within
+    `[served_at, received_at + clock_skew_s]`, and a survival report whose window could not
+    have passed since the acceptance by the time it was received is left out. Evidence
+    already gathered for the completion is returned as it is, so the functions below can
+    share one gathering.
     """
     if isinstance(feedback, Evidence) and feedback.request_id == completion.request_id:
         return feedback
@@ -260,12 +310,38 @@ def evidence_for(completion: Served, feedback: Iterable[Feedback | Signal]) -> E
         elif signal.request_id != completion.request_id:
             continue
         unique.setdefault(signal.event_id, signal)
+    skew = timedelta(seconds=clock_skew_s)
+    bounded = [_in_time(signal, completion.occurred_at, skew) for signal in unique.values()]
+    accepted_at = min(
+        (signal.occurred_at for signal in bounded if signal.kind == "edit_accepted"),
+        default=completion.occurred_at,
+    )
+    plausible = [signal for signal in bounded if _measured_in_time(signal, accepted_at, skew)]
     evidence = Evidence(
         # UUIDs order as their text does (fixed-width lowercase hex), without formatting it.
-        sorted(unique.values(), key=lambda signal: (signal.occurred_at, signal.event_id))
+        sorted(plausible, key=lambda signal: (signal.occurred_at, signal.event_id))
     )
     evidence.request_id = completion.request_id
+    evidence.survival_reports_ignored = len(bounded) - len(plausible)
     return evidence
+
+
+def _in_time(signal: Signal, served_at: datetime, skew: timedelta) -> Signal:
+    """The signal at its own time moved into `[served_at, received_at + skew]`: nothing
+    happens to a completion before it is served, nor after the gateway heard of it."""
+    received = signal.received_at or signal.occurred_at
+    occurred = max(served_at, min(signal.occurred_at, received + skew))
+    return signal if occurred == signal.occurred_at else replace(signal, occurred_at=occurred)
+
+
+def _measured_in_time(signal: Signal, accepted_at: datetime, skew: timedelta) -> bool:
+    """False for a survival report whose window (`elapsed_s` after the acceptance) had not
+    passed when the gateway received it: a share of an edit 900 s on, reported 1 s after the
+    acceptance, was never measured."""
+    if signal.kind != "edit_survival" or signal.censored or signal.elapsed_s is None:
+        return True
+    received = signal.received_at or signal.occurred_at
+    return timedelta(seconds=signal.elapsed_s) <= received - accepted_at + skew
 
 
 def _same_key(end: Signal, completion: Served) -> bool:
@@ -354,6 +430,7 @@ def distil_components(
         ttft_over_budget=completion.ttft_measured and completion.ttft_ms > ttft_budget_ms,
         tpot_over_budget=tpot_ms is not None and tpot_ms > tpot_budget_ms,
         clarifying_question=completion.clarifying_question,
+        survival_reports_ignored=events.survival_reports_ignored,
     )
 
 
@@ -372,12 +449,29 @@ def reward_due_at(
     *,
     horizon_s: float,
     grace_s: float,
+    max_accept_delay_s: float = MAX_ACCEPT_DELAY_S,
 ) -> datetime:
-    """Horizon + grace after the first acceptance, or after the completion if never accepted."""
+    """Horizon + grace after the first acceptance, or after the completion if never accepted;
+    never later than `reward_open_limit` after the completion."""
     events = evidence_for(completion, feedback)
+    return _accepted_from(completion, events, max_accept_delay_s) + timedelta(
+        seconds=horizon_s + grace_s
+    )
+
+
+def _accepted_from(completion: Served, events: Evidence, max_accept_delay_s: float) -> datetime:
+    """Where the survival horizon starts: the first acceptance (the completion when none),
+    held to the max accept delay after the completion."""
     acceptances = [e.occurred_at for e in events if e.kind == "edit_accepted"]
-    start = min(acceptances, default=completion.occurred_at)
-    return start + timedelta(seconds=horizon_s + grace_s)
+    latest = completion.occurred_at + timedelta(seconds=max_accept_delay_s)
+    return min(min(acceptances, default=completion.occurred_at), latest)
+
+
+def _accepted_too_late(completion: Served, events: Evidence, max_accept_delay_s: float) -> bool:
+    """Whether the first acceptance came after the max accept delay: its horizon was cut."""
+    acceptances = [e.occurred_at for e in events if e.kind == "edit_accepted"]
+    latest = completion.occurred_at + timedelta(seconds=max_accept_delay_s)
+    return bool(acceptances) and min(acceptances) > latest
 
 
 def finalize_reason(
@@ -386,9 +480,11 @@ def finalize_reason(
     *,
     horizon_s: float,
     grace_s: float,
-    now: datetime,
+    now: datetime | None,
+    max_accept_delay_s: float = MAX_ACCEPT_DELAY_S,
 ) -> FinalizeReason | None:
-    """Why the reward is final at `now` (see FinalizeReason), or None while it is still open.
+    """Why the reward is final at `now` (see FinalizeReason), or None while it is still open;
+    with `now` None, only what the evidence itself finalizes (no time has run out).
 
     A session's end finalizes only what can receive no more evidence: an accepted edit still
     waits for its horizon report (or horizon + grace), however early the session ended.
@@ -406,9 +502,16 @@ def finalize_reason(
         return "censored"
     if any(e.kind == "session_end" for e in events) and acceptance(events) is not True:
         return "session_end"
-    if now >= reward_due_at(completion, events, horizon_s=horizon_s, grace_s=grace_s):
-        return "timeout"
-    return None
+    due = reward_due_at(
+        completion,
+        events,
+        horizon_s=horizon_s,
+        grace_s=grace_s,
+        max_accept_delay_s=max_accept_delay_s,
+    )
+    if now is None or now < due:
+        return None
+    return "censored" if _accepted_too_late(completion, events, max_accept_delay_s) else "timeout"
 
 
 def is_final(

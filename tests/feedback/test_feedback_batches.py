@@ -47,7 +47,7 @@ def test_a_batch_is_published_once_even_when_sent_twice(
 
     first = client.post("/v1/feedback", json={"events": batch}, headers=auth(ide_key))
     again = client.post("/v1/feedback", json={"events": batch}, headers=auth(ide_key))
-    sentinel = event("session_end", session, request_id)
+    sentinel = event("followup_message", session, request_id, message="one more thing")
     client.post("/v1/feedback", json={"events": [sentinel]}, headers=auth(ide_key))
 
     assert first.status_code == 202 and first.json() == {"accepted": 5, "duplicates": 0}

@@ -1,8 +1,10 @@
 """Data selection and erasure: an erased user's samples are never trained on."""
 
+import uuid
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, select, text, update
 from sqlalchemy.orm import Session
 
 from app.abtest.assignment import Assignment
@@ -10,11 +12,15 @@ from app.db import session_scope
 from app.gateway.service import completion_event
 from app.gateway.trajectories import Placement
 from app.history.erasure import erase_in_database, user_history
-from app.models import Checkpoint, CheckpointStatus
+from app.models import Checkpoint, CheckpointStatus, Reward, Sample
+from app.signals.rewards import REWARD_OPEN_LIMIT
 from tests.gateway.test_completion_events import answered, call, streamed_tool_calls
 from tests.history.conftest import events, history_engine, history_url, served, store
+from tests.trainer.conftest import KEPT
 from tests.workers.conftest import Events
 from trainer.data import cohort_end, erased_since_selected, select_on_policy_batch
+from workers.config import WorkerConfig
+from workers.sweep import finalize_due_rewards
 
 __all__ = ["events", "history_engine", "history_url"]  # the history tests' fixtures
 
@@ -178,3 +184,134 @@ def test_each_sample_keeps_the_state_the_gateway_served_it_in(history_engine: En
         (s.tools_declared, s.turn_index, s.edit_requested, s.trajectory_id) for s in batch.samples
     }
     assert states == {(True, 2, True, "state-run"), (False, 0, False, events.request(2))}
+
+
+def test_an_acceptance_dated_2100_does_not_stop_the_next_cycles_selection(
+    history_engine: Engine,
+) -> None:
+    """Right after a publication, one acceptance dated 2100 on a production completion: its
+    reward is due by when the gateway received it, the sweep finalizes it, and the cohort
+    moves past it to what was served after."""
+    served_at = PUBLISHED + timedelta(hours=1)
+    dated = Events("dated", served_at)
+    acceptance = dated.accepted(1).model_copy(
+        update={
+            "occurred_at": datetime(2100, 1, 1, tzinfo=UTC),
+            "received_at": served_at + timedelta(seconds=5),
+        }
+    )
+    store(history_engine, dated.completion(1, checkpoint="ckpt-9"), acceptance, now=served_at)
+    later = served_at + timedelta(minutes=10)
+    store(history_engine, *served(dated, 2, "user-2", later, checkpoint="ckpt-9"), now=later)
+    bound = served_at + REWARD_OPEN_LIMIT
+    with history_engine.connect() as conn:
+        due_at = conn.execute(select(Reward.due_at).order_by(Reward.served_at)).scalars().first()
+    assert due_at is not None and due_at <= bound
+
+    finalize_due_rewards(history_engine, WorkerConfig(), now=bound)
+    with session_scope(history_engine) as session:
+        production = published_production(session, "ckpt-9")
+        assert cohort_end(session, "ckpt-9", PUBLISHED) is None
+        batch = select_on_policy_batch(session, production, max_samples=10)
+    assert later in [sample.served_at for sample in batch.samples]
+
+
+def test_a_reward_stored_due_in_2100_does_not_end_the_cohort(history_engine: Engine) -> None:
+    """A due time no worker sets now (past the reward's bound): the cohort does not wait for
+    it, and the rest of what the checkpoint served is trained on."""
+    served_at = PUBLISHED + timedelta(hours=1)
+    stuck = Events("stuck", served_at)
+    store(
+        history_engine,
+        stuck.completion(1, checkpoint="ckpt-10"),
+        stuck.accepted(1),
+        now=served_at,
+    )
+    with history_engine.begin() as conn:
+        conn.execute(update(Reward).values(due_at=datetime(2100, 1, 1, 0, 17, tzinfo=UTC)))
+    later = served_at + timedelta(minutes=10)
+    store(history_engine, *served(stuck, 2, "user-2", later, checkpoint="ckpt-10"), now=later)
+    with session_scope(history_engine) as session:
+        production = published_production(session, "ckpt-10")
+        assert cohort_end(session, "ckpt-10", PUBLISHED) is None
+        batch = select_on_policy_batch(session, production, max_samples=10)
+    assert [sample.served_at for sample in batch.samples] == [later]
+
+
+def trainable(
+    session: Session, checkpoint: str, served_at: datetime, *, key: uuid.UUID | None, user: str
+) -> None:
+    """A finalized, trainable sample of `checkpoint`, served to `key` and `user`."""
+    sample = Sample(
+        event_id=uuid.uuid4(),
+        request_id=f"share-{uuid.uuid4().hex}",
+        session_id="share",
+        user_hash=user,
+        api_key_id=key,
+        checkpoint=checkpoint,
+        privacy=False,
+        trainable=True,
+        edit_requested=True,
+        proposed_edit=True,
+        prompt_token_ids=[1, 2, 3],
+        completion_token_ids=[4, 5],
+        behaviour_logprobs=[-1.0, -1.0],
+        status="ok",
+        ttft_ms=1.0,
+        latency_ms=2.0,
+        served_at=served_at,
+    )
+    session.add(sample)
+    session.flush()
+    session.add(
+        Reward(
+            sample_id=sample.id,
+            served_at=served_at,
+            components=KEPT.model_dump(mode="json"),
+            reward=1.0,
+            reward_version=1,
+            due_at=served_at,
+            finalized_at=served_at,
+            finalize_reason="horizon",
+        )
+    )
+
+
+def test_no_key_and_no_user_fills_more_than_its_share_of_a_batch(history_engine: Engine) -> None:
+    """Just before a cycle one key floods the gateway under many user ids, and one user sends
+    much through their key: each gives the batch only its newest share of it."""
+    flooding, busy, quiet = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    start = PUBLISHED + timedelta(hours=1)
+    with session_scope(history_engine) as session:
+        production = published_production(session, "ckpt-11")
+        for n in range(4):  # two quiet users, earlier in the day
+            trainable(session, "ckpt-11", start + timedelta(minutes=n), key=quiet, user=f"q{n % 2}")
+        for n in range(6):  # one busy user
+            trainable(session, "ckpt-11", start + timedelta(hours=1, minutes=n), key=busy, user="b")
+        for n in range(40):  # the flood, newest of all, a fresh user id each time
+            at = start + timedelta(hours=2, seconds=n)
+            trainable(session, "ckpt-11", at, key=flooding, user=f"f{n}")
+        for n in range(3):  # logged before keys were recorded
+            trainable(session, "ckpt-11", start - timedelta(minutes=n + 1), key=None, user=f"o{n}")
+        session.flush()
+
+        batch = select_on_policy_batch(session, production, max_samples=12, max_share=0.25)
+        rows = session.execute(
+            select(Sample.api_key_id, Sample.user_hash).where(
+                Sample.id.in_([s.sample_id for s in batch.samples])
+            )
+        ).all()
+    by_key = Counter(row.api_key_id for row in rows if row.api_key_id is not None)
+    by_user = Counter(row.user_hash for row in rows)
+    # A share of 0.25 of 12: three samples a key and three a user, each source's newest.
+    assert by_key == {flooding: 3, busy: 3, quiet: 3}
+    assert max(by_user.values()) == by_user["b"] == 3
+    assert len(batch.samples) == 12  # the keyless samples fill the rest
+    newest = sorted((s.served_at for s in batch.samples), reverse=True)
+    assert [s.served_at for s in batch.samples] == newest
+
+    with session_scope(history_engine) as session:
+        production = session.get_one(Checkpoint, production.id)
+        whole = select_on_policy_batch(session, production, max_samples=12, max_share=1.0)
+    assert len(whole.samples) == 12  # no cap: the newest twelve, all of the flood
+    assert all(s.served_at >= start + timedelta(hours=2) for s in whole.samples)

@@ -10,8 +10,9 @@ checkpoint that answered.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
@@ -19,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.abtest.assignment import hash_user
 from app.auth.schemas import Principal
+from app.config import Settings
 from app.gateway.headers import derived_session_id, flag_header, id_header, served_headers
 from app.gateway.in_flight import released_after
 from app.gateway.schemas import ChatRequest
@@ -42,32 +44,10 @@ async def chat_completions(
     received_at, started = datetime.now(UTC), time.perf_counter()
     state = app_state(request.app)
     gateway, settings = state.gateway, state.settings
-    given_session_id = id_header(request, "x-session-id")
-    client_request_id = id_header(request, "x-request-id")
-    request_id = client_request_id or request.state.request_id
-    user_id = id_header(request, "x-user-id", max_length=256) or str(principal.key_id)
+    said = CallHeaders.read(request, principal, "x-session-id")
     body, chat = await _chat_body(request)
-    session_id = given_session_id or derived_session_id(principal.key_id, user_id, chat.messages)
-    max_tokens_asked = clamped_to_cap(chat, body, settings.max_completion_tokens)
-    edit_header = flag_header(request, "x-rtrl-edit-request")
-    call = ChatCall(
-        request=chat,
-        body=body,
-        session_id=session_id,
-        request_id=request_id,
-        client_request_id=client_request_id is not None,
-        user_hash=hash_user(settings.user_hash_secret.get_secret_value(), user_id),
-        api_key_id=principal.key_id,
-        privacy=principal.privacy_mode or bool(flag_header(request, "x-rtrl-privacy")),
-        edit_requested=(
-            edit_header if edit_header is not None else looks_like_edit_request(chat.messages)
-        ),
-        received_at=received_at,
-        started=started,
-        parent_request_id=id_header(request, "x-rtrl-parent-request-id"),
-        edit_requested_explicitly=edit_header is not None,
-        max_tokens_asked=max_tokens_asked,
-    )
+    call = chat_call(said, body, chat, settings, received_at=received_at, started=started)
+    session_id = call.session_id
     request.state.upstream_wait = call.upstream_wait
     release = state.in_flight.admit(principal.key_id)
     streaming = False
@@ -101,6 +81,71 @@ router.add_api_route(
     response_model=None,
     route_class_override=DirectRoute,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CallHeaders:
+    """What a surface's request says about itself in its headers, read before its body."""
+
+    request: Request
+    principal: Principal
+    given_session_id: str | None
+    client_request_id: str | None
+    user_id: str
+
+    @classmethod
+    def read(cls, request: Request, principal: Principal, *session_headers: str) -> CallHeaders:
+        """The headers every surface reads; the session id from the first of
+        `session_headers` the client sent."""
+        given = next(
+            (found for name in session_headers if (found := id_header(request, name))), None
+        )
+        return cls(
+            request,
+            principal,
+            given,
+            id_header(request, "x-request-id"),
+            id_header(request, "x-user-id", max_length=256) or str(principal.key_id),
+        )
+
+
+def chat_call(
+    headers: CallHeaders,
+    body: dict[str, Any],
+    chat: ChatRequest,
+    settings: Settings,
+    *,
+    received_at: datetime,
+    started: float,
+    surface: Literal["chat", "messages"] = "chat",
+) -> ChatCall:
+    """The one internal call a surface's request becomes (`body`: the chat body vLLM is sent)."""
+    request, principal = headers.request, headers.principal
+    user_id = headers.user_id
+    session_id = headers.given_session_id or derived_session_id(
+        principal.key_id, user_id, chat.messages
+    )
+    max_tokens_asked = clamped_to_cap(chat, body, settings.max_completion_tokens)
+    edit_header = flag_header(request, "x-rtrl-edit-request")
+    return ChatCall(
+        request=chat,
+        body=body,
+        session_id=session_id,
+        request_id=headers.client_request_id or request.state.request_id,
+        client_request_id=headers.client_request_id is not None,
+        user_hash=hash_user(settings.user_hash_secret.get_secret_value(), user_id),
+        api_key_id=principal.key_id,
+        privacy=principal.privacy_mode or bool(flag_header(request, "x-rtrl-privacy")),
+        edit_requested=(
+            edit_header if edit_header is not None else looks_like_edit_request(chat.messages)
+        ),
+        received_at=received_at,
+        started=started,
+        parent_request_id=id_header(request, "x-rtrl-parent-request-id"),
+        edit_requested_explicitly=edit_header is not None,
+        max_tokens_asked=max_tokens_asked,
+        surface=surface,
+    )
 
 
 async def _chat_body(request: Request) -> tuple[dict[str, Any], ChatRequest]:

@@ -23,15 +23,12 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from app.abtest.assignment import hash_user
 from app.auth.schemas import Principal
 from app.gateway.anthropic import anthropic_message, chat_body, in_anthropic_terms, message_events
-from app.gateway.chat import OFF_LOOP_BODY_BYTES, clamped_to_cap
-from app.gateway.headers import derived_session_id, flag_header, id_header, served_headers
+from app.gateway.chat import OFF_LOOP_BODY_BYTES, CallHeaders, chat_call
+from app.gateway.headers import served_headers
 from app.gateway.in_flight import released_after
 from app.gateway.schemas import ChatRequest
-from app.gateway.service import ChatCall
-from app.gateway.toolcalls import looks_like_edit_request
 from app.gateway.upstream import BROKEN, UpstreamBusy, UpstreamUnavailable
 from app.http.bodies import json_object, parse_body
 from app.http.dependencies import require_role
@@ -53,35 +50,12 @@ async def messages(
     received_at, started = datetime.now(UTC), time.perf_counter()
     state = app_state(request.app)
     gateway, settings = state.gateway, state.settings
-    given_session_id = id_header(request, "x-claude-code-session-id") or id_header(
-        request, "x-session-id"
-    )
-    client_request_id = id_header(request, "x-request-id")
-    request_id = client_request_id or request.state.request_id
-    user_id = id_header(request, "x-user-id", max_length=256) or str(principal.key_id)
+    said = CallHeaders.read(request, principal, "x-claude-code-session-id", "x-session-id")
     body, chat = await _chat_body(request)
-    session_id = given_session_id or derived_session_id(principal.key_id, user_id, chat.messages)
-    max_tokens_asked = clamped_to_cap(chat, body, settings.max_completion_tokens)
-    edit_header = flag_header(request, "x-rtrl-edit-request")
-    call = ChatCall(
-        request=chat,
-        body=body,
-        session_id=session_id,
-        request_id=request_id,
-        client_request_id=client_request_id is not None,
-        user_hash=hash_user(settings.user_hash_secret.get_secret_value(), user_id),
-        api_key_id=principal.key_id,
-        privacy=principal.privacy_mode or bool(flag_header(request, "x-rtrl-privacy")),
-        edit_requested=(
-            edit_header if edit_header is not None else looks_like_edit_request(chat.messages)
-        ),
-        received_at=received_at,
-        started=started,
-        parent_request_id=id_header(request, "x-rtrl-parent-request-id"),
-        edit_requested_explicitly=edit_header is not None,
-        max_tokens_asked=max_tokens_asked,
-        surface="messages",
+    call = chat_call(
+        said, body, chat, settings, received_at=received_at, started=started, surface="messages"
     )
+    request_id, session_id = call.request_id, call.session_id
     request.state.upstream_wait = call.upstream_wait
     stop_sequences = body.get("stop") or []
     release = state.in_flight.admit(principal.key_id)

@@ -33,7 +33,10 @@ from bench._stack import scratch_settings
 from rtrl.launcher import FullStack
 from sandbox.simulator.books import read_books
 from sandbox.simulator.report import SimulationReport
-from sandbox.simulator.run import simulate
+from sandbox.simulator.run import compressed_time_settings, simulate
+
+TIME_SCALE = 0.01
+"""The 15-minute survival report comes after 9 s."""
 
 
 def tree_rss_mib(pid: int | None) -> float | None:
@@ -118,7 +121,7 @@ def main() -> None:
 
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="rtrl-soak-"))
     overrides = {"base_model": args.base_model} if args.base_model else {}
-    settings = scratch_settings(data_dir, **overrides)
+    settings = compressed_time_settings(scratch_settings(data_dir, **overrides), TIME_SCALE)
     stack = FullStack.from_settings(settings, workers=args.workers, trainer=False)
     print(f"soak: data in {data_dir}; starting the stack ...")
     stack.up()
@@ -158,7 +161,7 @@ def main() -> None:
             key,
             users=args.users,
             duration_s=duration_s,
-            time_scale=0.01,
+            time_scale=TIME_SCALE,
             concurrency=args.concurrency,
             seed=7,
             progress=progress,

@@ -37,6 +37,7 @@ from rtrl.demo.traffic import held_out_evaluation, rewarded_traffic
 from rtrl.gates import held_out_for
 from rtrl.launcher import FullStack
 from sandbox.simulator.report import SimulationReport
+from sandbox.simulator.run import compressed_time_settings
 from sandbox.simulator.scorecard import Scorecard, scorecard_table, scorecards
 from trainer.cycle import run_cycle
 from workers.monitors import check_running_experiments
@@ -49,8 +50,9 @@ BASE = "base"
 def run_demo(settings: Settings, config: DemoConfig, progress: Progress = print) -> DemoSummary:
     """Start the stack, run the cycles, print the A/B tables and the final summary."""
     started = time.monotonic()
-    settings = scenario_settings(
-        settings, config.scenario, progress, bootstrap=config.bootstrap_base
+    settings = compressed_time_settings(
+        scenario_settings(settings, config.scenario, progress, bootstrap=config.bootstrap_base),
+        config.time_scale,
     )
     stack = FullStack.from_settings(
         settings, workers=1, trainer=False, progress=progress, bootstrap=config.bootstrap_base

@@ -3,7 +3,7 @@
 from sandbox.simulator.clients import ClientConfig, ClientMode
 from sandbox.simulator.population import Developer, make_population
 from sandbox.simulator.report import CheckpointStats, ServedRequest, SimulationReport
-from sandbox.simulator.run import Workload, run_simulation, simulate
+from sandbox.simulator.run import Workload, compressed_time_settings, run_simulation, simulate
 
 __all__ = [
     "CheckpointStats",
@@ -13,6 +13,7 @@ __all__ = [
     "ServedRequest",
     "SimulationReport",
     "Workload",
+    "compressed_time_settings",
     "make_population",
     "run_simulation",
     "simulate",

@@ -90,13 +90,17 @@ def ideal_feedback(trace: RunTrace, reaction: Reaction) -> list[Feedback]:
     """What the ideal IDE reports of a run: the developer's verdict on the run's diff (accept
     or reject, then how much of it survives) on every turn whose edit is part of it, the
     follow-up on the last of them (or on the final answer when nothing was edited), and an
-    edit the workspace could not apply as rejected: each edit turn's fate is known."""
+    edit the workspace could not apply as rejected: each edit turn's fate is known, once (a
+    run that ended on such a turn with nothing applied is judged there by its follow-up
+    alone)."""
     events: list[Feedback] = [
         EditRejected(session_id=trace.session_id, request_id=r) for r in trace.not_applied
     ]
     judged = trace.judged
     for request_id in judged:
         verdict = replace(reaction, followup=None) if request_id != judged[-1] else reaction
+        if request_id in trace.not_applied:
+            verdict = replace(verdict, accepted=None, survival=())
         events += feedback_events(verdict, trace.session_id, request_id)
     return events
 

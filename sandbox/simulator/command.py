@@ -43,7 +43,10 @@ def simulate_command(
         1.0,
         "--time-scale",
         min=0.0,
-        help="Multiplies waits: 0.01 sends the 15-min survival report after 9 s.",
+        help=(
+            "Multiplies waits: 0.01 sends the 15-min survival report after 9 s (the workers"
+            " count it only when started with RTRL_FEEDBACK_CLOCK_SKEW=PT16M or more)."
+        ),
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the population and their tasks."),
     split: str = typer.Option("train", "--split", help="Task split: train, heldout or all."),

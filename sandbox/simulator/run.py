@@ -8,7 +8,9 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+from app.config import Settings
 from sandbox.agent_tasks import agent_task
 from sandbox.simulator.agent import AgentSession
 from sandbox.simulator.clients import ClientConfig, ide_for_session
@@ -90,6 +92,21 @@ class Workload:
             return self.max_wall_s
         horizon_s = SURVIVAL_WINDOWS_S[-1] * self.time_scale
         return self.duration_s + horizon_s + 2 * self.request_timeout_s
+
+
+def compressed_time_settings(settings: Settings, time_scale: float) -> Settings:
+    """The settings of a stack that serves developers simulated at `time_scale` (< 1).
+
+    A simulated developer reports the share of an edit kept 15 minutes on after 900 ×
+    `time_scale` real seconds. The workers leave out a survival report that claims more time
+    since the acceptance than had passed, beyond `feedback_clock_skew` (60 s), as never
+    measured; under compressed time the skew is widened by the whole horizon so that those
+    reports count. A production stack keeps its 60 s.
+    """
+    if time_scale >= 1:
+        return settings
+    skew = settings.feedback_clock_skew + timedelta(seconds=SURVIVAL_WINDOWS_S[-1])
+    return settings.model_copy(update={"feedback_clock_skew": skew})
 
 
 class Pacer:

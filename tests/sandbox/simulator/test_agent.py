@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 
 from sandbox.agent_tasks import Workspace, agent_task
-from sandbox.simulator.agent import execute
+from sandbox.simulator.agent import RunTrace, execute, ideal_feedback
+from sandbox.simulator.reactions import Reaction
 from sandbox.simulator.toolcalls import read_tool_call
 from sandbox.tasks import all_tasks
 
@@ -59,3 +61,23 @@ def test_reads_and_tests_succeed_when_they_run() -> None:
     assert not missing.succeeded
     tests = execute(workspace, TASK, "r", read_tool_call(a_call("run_tests", "{}")))
     assert tests.succeeded and tests.output in ("passed", "failed")
+
+
+def test_a_run_that_ends_on_an_edit_it_could_not_apply_reports_one_verdict_per_turn() -> None:
+    # The gateway takes one edit_rejected per request (a second is a 409): the failed edit's
+    # rejection is its verdict, and the developer's follow-up still lands on it.
+    trace = RunTrace("s", turns=["s.0.0", "s.0.1"], not_applied=["s.0.0", "s.0.1"])
+    reaction = Reaction(
+        proposed_edit=True,
+        accepted=False,
+        survival=(),
+        followup="that did not work",
+        impatient=False,
+        abandons_session=False,
+    )
+
+    events = ideal_feedback(trace, reaction)
+
+    verdicts = Counter(e.request_id for e in events if e.kind in ("edit_accepted", "edit_rejected"))
+    assert verdicts == {"s.0.0": 1, "s.0.1": 1}
+    assert [e.request_id for e in events if e.kind == "followup_message"] == ["s.0.1"]

@@ -243,8 +243,9 @@ class Settings(BaseSettings):
     `rtrl_upstream_busy_total`."""
 
     max_completion_tokens: int = Field(default=4096, ge=1)
-    """Most tokens one completion may ask for (`max_tokens` or `max_completion_tokens`; more
-    is a 400). The vLLM rtrl starts uses it as the default and ceiling for requests that set
+    """Most tokens one completion may have (`max_tokens`, `max_completion_tokens` or
+    `max_output_tokens`; a larger ask is served at this, and its event records what was
+    asked). The vLLM rtrl starts uses it as the default and ceiling for requests that set
     neither, which would otherwise run to the model's context length."""
 
     spool_memory_events: int = Field(default=10_000, ge=100)

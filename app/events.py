@@ -24,6 +24,10 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+Surface = Literal["chat", "messages", "responses"]
+"""The APIs the gateway speaks; each is served as the one chat call."""
+
+
 class Event(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -55,9 +59,9 @@ class CompletionEvent(Event):
     """Whether the run asked for an edit (its first turn decides for the turns after it)."""
     tools_declared: bool = False
     """Whether the request declared tools (agent traffic rather than one-turn chat)."""
-    surface: Literal["chat", "messages"] | None = None
-    """The API the client spoke: OpenAI Chat Completions or Anthropic Messages (None on events
-    logged before surfaces were recorded)."""
+    surface: Surface | None = None
+    """The API the client spoke: OpenAI Chat Completions, Anthropic Messages or OpenAI
+    Responses (None on events logged before surfaces were recorded)."""
     trajectory_id: str | None = Field(default=None, max_length=128)
     """The agent run: the request id of its first turn."""
     turn_index: int = Field(default=0, ge=0)

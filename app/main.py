@@ -41,6 +41,7 @@ from app.feedback.router import router as feedback_router
 from app.gateway.chat import router as chat_router
 from app.gateway.in_flight import InFlight
 from app.gateway.messages import router as messages_router
+from app.gateway.responses import router as responses_router
 from app.gateway.router import router as gateway_router
 from app.gateway.routing_cache import RoutingCache
 from app.gateway.service import Gateway
@@ -157,6 +158,7 @@ def _include_routes(app: FastAPI) -> None:
     app.include_router(gateway_router)
     app.include_router(chat_router)
     app.include_router(messages_router)
+    app.include_router(responses_router)
     app.include_router(feedback_router)
     app.include_router(adapters_router)
     app.include_router(admin_router)

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from app.gateway.translation import exceeds_context
 from app.http.errors import ApiError
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -354,7 +355,7 @@ def in_anthropic_terms(exc: ApiError) -> ApiError:
     """vLLM's answer to a prompt longer than the model's context, in the words Claude Code
     compacts its history on (with the counts it reads, when vLLM gave them); any other error
     as it is."""
-    if exc.status_code != 400 or "maximum context length" not in exc.message:
+    if not exceeds_context(exc):
         return exc
     limit = _CONTEXT_LIMIT.search(exc.message)
     prompt = _PROMPT_TOKENS.search(exc.message)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from app.abtest.assignment import hash_user
 from app.auth.schemas import Principal
 from app.config import Settings
+from app.events import Surface
 from app.gateway.headers import derived_session_id, flag_header, id_header, served_headers
 from app.gateway.in_flight import released_after
 from app.gateway.schemas import ChatRequest
@@ -117,7 +118,7 @@ def chat_call(
     *,
     received_at: datetime,
     started: float,
-    surface: Literal["chat", "messages"] = "chat",
+    surface: Surface = "chat",
 ) -> ChatCall:
     """The one internal call a surface's request becomes (`body`: the chat body vLLM is sent)."""
     request, principal = headers.request, headers.principal

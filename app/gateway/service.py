@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import orjson
@@ -22,7 +22,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.abtest.assignment import Assignment
-from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus, encode
+from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus, Surface, encode
 from app.gateway.joins import queue_answer, with_client_ids
 from app.gateway.metrics import (
     COMPLETION_LATENCY,
@@ -165,7 +165,7 @@ class ChatCall:
     """X-Rtrl-Edit-Request was sent: it wins over what the run was asked."""
     max_tokens_asked: int | None = None
     """The completion tokens the client asked for when more than the cap (served at the cap)."""
-    surface: Literal["chat", "messages"] = "chat"
+    surface: Surface = "chat"
     """The API the client spoke (`CompletionEvent.surface`); all are served as chat."""
     link: RunLink = field(default_factory=lambda: RunLink())
     upstream_wait: UpstreamWait = field(default_factory=lambda: UpstreamWait())

@@ -132,6 +132,10 @@ class FeedbackEventBase(Event):
     received_at: datetime | None = None
     """When a gateway accepted the event, stamped there whatever the client sent: the one time
     of it the client does not choose. None on events queued before gateways stamped it."""
+    source: str | None = Field(default=None, max_length=64)
+    """None: the client reported it (set so by the gateway, whatever the client sent);
+    `history:<client>:<rule>`: the gateway read it from the run's next request
+    (`app.signals.history`)."""
 
 
 class EditAccepted(FeedbackEventBase):

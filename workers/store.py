@@ -155,6 +155,7 @@ def feedback_row(event: Feedback) -> dict[str, Any]:
         # An event from before gateways stamped their receipt is taken as received when it
         # says it occurred, as it always was.
         "received_at": event.received_at or event.occurred_at,
+        "source": event.source,
     }
     if isinstance(event, EditSurvival):
         row["elapsed_s"] = event.elapsed_s

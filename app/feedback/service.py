@@ -294,7 +294,7 @@ async def accept_feedback(
     # A session's end is this key's: it finalizes no other key's completions.
     events = [
         event.model_copy(
-            update={"received_at": received_at}
+            update={"received_at": received_at, "source": None}
             | ({"api_key_id": api_key_id} if isinstance(event, SessionEnd) else {})
         )
         for event in events

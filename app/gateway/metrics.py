@@ -24,6 +24,12 @@ COMPLETIONS = Counter(
     "Completions served, by checkpoint and status.",
     ["checkpoint", "status"],
 )
+HISTORY_EVIDENCE = Counter(
+    "rtrl_history_evidence_total",
+    "Feedback the gateway read from the next request of a run (`app.signals.history`), by "
+    "source (`history:<client>:<rule>`).",
+    ["source"],
+)
 TRAJECTORY_LINKS = Counter(
     "rtrl_trajectory_links_total",
     "How requests were placed in agent runs: continued (parent found), new_run, new_segment "

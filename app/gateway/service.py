@@ -22,12 +22,20 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.abtest.assignment import Assignment
-from app.events import COMPLETIONS_TOPIC, CompletionEvent, CompletionStatus, Surface, encode
+from app.events import (
+    COMPLETIONS_TOPIC,
+    FEEDBACK_TOPIC,
+    CompletionEvent,
+    CompletionStatus,
+    Surface,
+    encode,
+)
 from app.gateway.joins import queue_answer, with_client_ids
 from app.gateway.metrics import (
     COMPLETION_LATENCY,
     COMPLETIONS,
     FALLBACKS,
+    HISTORY_EVIDENCE,
     PRIVATE_UNREMEMBERED,
     TTFT,
     UPSTREAM_BUSY,
@@ -44,6 +52,7 @@ from app.gateway.toolcalls import (
     proposes_edit,
 )
 from app.gateway.trajectories import (
+    TURN_TTL_S,
     Placement,
     Trajectories,
     Turn,
@@ -64,6 +73,7 @@ from app.http.errors import ApiError
 from app.models import Sample
 from app.observability import UpstreamWait
 from app.serving.vllm import vllm_device
+from app.signals.history import distill, feedback_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -361,8 +371,11 @@ class Gateway:
             # sent at once can look before it lands. Looked up again, a model call later.
             call.link.lookup = asyncio.ensure_future(self._place(call, again=True))
             await call.link.settled()
-        if not call.privacy and logged_private(call, call.link.placement(call.request_id)):
+        placement = call.link.placement(call.request_id)
+        if not call.privacy and logged_private(call, placement):
             await self._mark_private(call)
+        if placement.parent is not None and placement.parent_at is not None:
+            self._in_background(self._read_history(call, placement))
         return result
 
     async def _place(self, call: ChatCall, *, again: bool = False) -> Placement:
@@ -378,6 +391,35 @@ class Gateway:
             # A first look that misses is asked again (`_alongside`); only the last counts.
             count_miss=again or not _continues_a_run(call),
         )
+
+    async def _read_history(self, call: ChatCall, placement: Placement) -> None:
+        """The client's account, in this request, of what became of the turn it continues
+        (`app.signals.history`): feedback on that turn, sent once, by the first request that
+        continues it."""
+        assert placement.parent is not None and placement.parent_at is not None
+        messages, at = call.request.messages, placement.parent_at
+        evidence = distill(messages[at], messages[at + 1 :])
+        events = feedback_of(
+            evidence,
+            placement.parent.request_id,
+            call.session_id,
+            private=logged_private(call, placement),
+            at=call.received_at,
+        )
+        if not events:
+            return
+        try:
+            first = await self.redis.set(
+                evidence_key(call.run_owner, placement.parent.request_id), 1, nx=True, ex=TURN_TTL_S
+            )
+        except RedisError:
+            log.warning("evidence on %s not sent: Redis unavailable", placement.parent.request_id)
+            return
+        if not first:
+            return
+        for event in events:
+            HISTORY_EVIDENCE.labels(event.source or "").inc()
+            self.sink.publish_encoded(Envelope(FEEDBACK_TOPIC, event.session_id, encode(event)))
 
     async def _remember_private(self, call: ChatCall) -> None:
         try:
@@ -711,6 +753,11 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+
+def evidence_key(owner: str, request_id: str) -> str:
+    """Set once the evidence on a served turn was read from a request that continues it."""
+    return f"rtrl:evidence:{owner}:{request_id}"
 
 
 def completion_event(

@@ -83,6 +83,9 @@ class Placement:
     """The history carries a message its owner sent in privacy mode (`private_messages`)."""
     unknown: bool = False
     """The lookup failed or did not finish: whether the history is private is not known."""
+    parent_at: int | None = None
+    """Where the parent's answer is in the new request's messages (what follows it is the
+    client's account of what became of it: `app.signals.history`)."""
 
     @property
     def private_run(self) -> bool:
@@ -215,7 +218,7 @@ class Trajectories:
         wins), or a new one. `digests`: the messages' `history_digests`, if known;
         `count_miss`: False for a first look that is asked again when it misses."""
         try:
-            parent = await self._parent(owner, messages, parent_request_id, digests)
+            parent, parent_at = await self._parent(owner, messages, parent_request_id, digests)
             carries_private = await self._carries_private(owner, messages)
         except RedisError:
             log.warning("request %s not linked to its run: Redis unavailable", request_id)
@@ -223,7 +226,13 @@ class Trajectories:
             return Placement(request_id, 0, None, unknown=True)
         if parent is not None:
             TRAJECTORY_LINKS.labels("continued").inc()
-            return Placement(parent.trajectory_id, parent.turn_index + 1, parent, carries_private)
+            return Placement(
+                parent.trajectory_id,
+                parent.turn_index + 1,
+                parent,
+                carries_private,
+                parent_at=parent_at,
+            )
         if carries_private:
             return Placement(request_id, 0, None, carries_private=True)
         if count_miss:
@@ -255,23 +264,26 @@ class Trajectories:
         messages: Sequence[dict[str, Any]],
         parent_request_id: str | None,
         digests: Sequence[str] | None,
-    ) -> Turn | None:
+    ) -> tuple[Turn | None, int | None]:
+        """The parent turn, and where its answer is in `messages` (the last answer, for a
+        parent named by id)."""
+        cuts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if parent_request_id is not None:
             raw = await self.redis.get(_request_key(owner, parent_request_id))
-            return Turn.decode(raw) if raw else None
-        cuts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+            return (Turn.decode(raw), cuts[-1] if cuts else None) if raw else (None, None)
         if not cuts:
-            return None
+            return None, None
         if digests is None:
             digests = history_digests(messages[: cuts[-1] + 1], owner)
         # Longest first, and only the latest few: a run's parent is its last answer unless the
         # client dropped turns, and a history of thousands of answers must not cost thousands
         # of keys.
-        keys = [_history_key(digests[cut]) for cut in reversed(cuts[-MAX_PARENT_LOOKUPS:])]
-        for raw in await self.redis.mget(keys):
+        latest = list(reversed(cuts[-MAX_PARENT_LOOKUPS:]))
+        keys = [_history_key(digests[cut]) for cut in latest]
+        for cut, raw in zip(latest, await self.redis.mget(keys), strict=True):
             if raw:
-                return Turn.decode(raw)
-        return None
+                return Turn.decode(raw), cut
+        return None, None
 
     async def remember(
         self, owner: str, turn: Turn, messages: Sequence[dict[str, Any]], answer: dict[str, Any]

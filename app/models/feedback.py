@@ -67,3 +67,6 @@ class FeedbackEventRow(Base):
     received_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), nullable=False
     )
+    source: Mapped[str | None] = mapped_column(String(64))
+    """Where the signal came from: NULL, the client; `history:<client>:<rule>`, the gateway's
+    reading of the run's next request (`app.signals.history`)."""

@@ -260,7 +260,7 @@ def test_a_prompt_longer_than_the_context_is_too_long_in_claude_codes_words(
 def test_a_claude_code_run_of_three_turns_is_linked_into_one_run(
     gateway_settings: Any, start_gateway: Any, ide_key: str, kafka: Any
 ) -> None:
-    # What Claude Code sends (research/real-clients.md), at the tiny model's scale: system
+    # What Claude Code sends, at the tiny model's scale: system
     # blocks with cache markers, a system message inside `messages` (blocks on the first turn,
     # a string after), fields and beta headers the model cannot honour, streaming always.
     gateway = start_gateway(gateway_settings.model_copy(update={"max_completion_tokens": 48}))

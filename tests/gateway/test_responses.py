@@ -124,7 +124,7 @@ def test_a_text_answer_is_a_response_logged_as_a_sample(
 def test_a_codex_shaped_run_is_served_and_linked_into_one_run(
     gateway_settings: Any, start_gateway: Any, ide_key: str, kafka: Any, stream: bool
 ) -> None:
-    # As Codex sends it (research/real-clients.md): developer messages, an environment
+    # As Codex sends it: developer messages, an environment
     # context, function tools beside hosted ones, the input re-sent with the call as served
     # and its output appended. The cap is within the tiny model's 1,024-token context.
     gateway = start_gateway(gateway_settings.model_copy(update={"max_completion_tokens": 48}))

@@ -1,0 +1,159 @@
+"""Evidence from the conversation itself: what became of a served answer, read from the next
+request of its run.
+
+Every coding agent re-sends the conversation on its next request: after the served answer
+come the results of the answer's tool calls (each naming its call by `tool_call_id`), and
+after a final answer the user's next message. Clients word what became of an edit in their
+own fixed strings (recorded from the stock clients: `docs/ml-engineers/evidence.md`), so each
+rule is a fact, a client's marker and what it means, not code per string. Only what the
+client, its tools and the user wrote counts; the answer itself is read only for the ids of
+its calls.
+
+Verdicts:
+  accepted      the client applied the edit ("has been updated successfully", ...)
+  rejected      the user refused the call ("The user doesn't want to proceed ...", ...)
+  unapplicable  the edit could not be applied ("String to replace not found in file", ...)
+  interrupted   the user stopped the agent ("[Request interrupted by user]", ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from app.events import EditAccepted, EditRejected, FollowupMessage
+from app.signals.followup import is_dissatisfied
+
+HistoryFeedback = EditAccepted | EditRejected | FollowupMessage
+
+Verdict = Literal["accepted", "rejected", "unapplicable", "interrupted"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A client's marker of what became of a call, found in a tool result (or, for an
+    interrupt, in the user's message)."""
+
+    client: str
+    name: str
+    verdict: Verdict
+    marker: str
+    """Text the client writes, matched as a substring, case and all."""
+
+    @property
+    def source(self) -> str:
+        return f"history:{self.client}:{self.name}"
+
+
+RULES: tuple[Rule, ...] = (
+    # Refusals and failures before acceptances: a client's refusal text may quote the call.
+    Rule("claude-code", "rejected", "rejected", "The user doesn't want to proceed with this tool"),
+    Rule("claude-code", "not_granted", "rejected", "but you haven't granted it yet"),
+    Rule("claude-code", "not_found", "unapplicable", "String to replace not found in file"),
+    Rule("codex", "patch_rejected", "rejected", "patch rejected"),
+    Rule("codex", "aborted", "interrupted", "aborted by user"),
+    Rule("opencode", "rejected", "rejected", "The user rejected permission to use this"),
+    Rule("qwen-code", "cancelled", "rejected", "[Operation Cancelled] Reason: User did not allow"),
+    Rule("cline", "rejected", "rejected", "This tool call was rejected by the user"),
+    Rule("continue", "denied", "rejected", "Permission denied by user"),
+    Rule("claude-code", "updated", "accepted", "has been updated successfully"),
+    Rule("codex", "updated", "accepted", "Success. Updated the following files"),
+    Rule("opencode", "applied", "accepted", "Edit applied successfully"),
+    Rule("qwen-code", "updated", "accepted", "has been updated. Showing lines"),
+    Rule("cline", "edited", "accepted", '"result":"Edited '),
+    Rule("continue", "edited", "accepted", "Successfully edited "),
+)
+"""Markers in the result of one of the answer's calls, first match wins (opencode's strings
+are Kilo's too)."""
+
+USER_RULES: tuple[Rule, ...] = (
+    Rule("claude-code", "interrupted", "interrupted", "[Request interrupted by user"),
+    Rule("codex", "turn_aborted", "interrupted", "<turn_aborted>"),
+    Rule("aider", "no_match", "unapplicable", "SEARCH/REPLACE block failed to match"),
+)
+"""Markers in a user message after the answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """One verdict on the served answer, and the rule that read it."""
+
+    verdict: Verdict
+    source: str
+    call_id: str | None = None
+
+
+@dataclass(slots=True)
+class Evidence:
+    """What the next request says of a served answer."""
+
+    found: list[Found] = field(default_factory=list)
+    followup: str | None = None
+    """The user's next message after a final answer (one without tool calls)."""
+
+    def verdicts(self) -> set[Verdict]:
+        return {found.verdict for found in self.found}
+
+
+def distill(answer: dict[str, Any], after: Sequence[dict[str, Any]]) -> Evidence:
+    """The evidence on `answer` (the served answer as the client re-sent it) in the messages
+    that follow it in the next request."""
+    call_ids = {call.get("id") for call in answer.get("tool_calls") or () if isinstance(call, dict)}
+    evidence = Evidence()
+    for message in after:
+        role, text = message.get("role"), _text(message.get("content"))
+        if role == "tool" and message.get("tool_call_id") in call_ids:
+            rule = _first(RULES, text)
+            if rule is not None:
+                evidence.found.append(Found(rule.verdict, rule.source, message["tool_call_id"]))
+        elif role == "user":
+            rule = _first(USER_RULES, text)
+            if rule is not None:
+                evidence.found.append(Found(rule.verdict, rule.source))
+            elif not call_ids and evidence.followup is None and text.strip():
+                evidence.followup = text
+        elif role == "assistant":
+            break  # the next answer: what follows it is evidence on that one
+    return evidence
+
+
+def _first(rules: Sequence[Rule], text: str) -> Rule | None:
+    return next((rule for rule in rules if rule.marker in text), None)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def feedback_of(
+    evidence: Evidence, request_id: str, session_id: str, *, private: bool, at: datetime
+) -> list[HistoryFeedback]:
+    """The feedback events the evidence amounts to, on the served request `request_id`, as
+    the workers read a client's: an applied edit is accepted, a refused or unapplicable one
+    rejected (any acceptance wins, as for a multi-hunk edit), an interrupt is a dissatisfied
+    follow-up, and the user's next message is the follow-up (classified here when the run is
+    private: its text is not kept). Each names its rule in `source`."""
+    ids: dict[str, Any] = {"request_id": request_id, "session_id": session_id}
+    ids |= {"occurred_at": at, "received_at": at}
+    events: list[HistoryFeedback] = []
+    for verdicts, kind in (
+        ({"accepted"}, EditAccepted),
+        ({"rejected", "unapplicable"}, EditRejected),
+    ):
+        found = next((f for f in evidence.found if f.verdict in verdicts), None)
+        if found is not None:
+            events.append(kind(**ids, source=found.source))
+    interrupt = next((f for f in evidence.found if f.verdict == "interrupted"), None)
+    if interrupt is not None:
+        events.append(FollowupMessage(**ids, dissatisfied=True, source=interrupt.source))
+    elif evidence.followup is not None:
+        text = evidence.followup[:16_000]
+        said = {"dissatisfied": is_dissatisfied(text)} if private else {"message": text}
+        events.append(FollowupMessage(**ids, **said, source="history:any:next_message"))
+    return events

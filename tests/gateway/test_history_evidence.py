@@ -1,0 +1,157 @@
+"""What became of a served answer, read by the gateway from the run's next request: feedback
+on the answer's request, sent once, for clients that send none themselves."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from anthropic import Anthropic
+from openai import OpenAI
+
+from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
+
+EDIT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "file_path": {"type": "string"},
+        "old_string": {"type": "string"},
+        "new_string": {"type": "string"},
+    },
+    "required": ["file_path", "old_string", "new_string"],
+}
+TASK = "Fix the bug in calc.py: add() must return a plus b."
+CLAUDE_REFUSAL = (
+    "The user doesn't want to proceed with this tool use. The tool use was rejected (eg. if it "
+    "was a file edit, the new_string was NOT written to the file). STOP what you are doing and "
+    "wait for the user to tell you how to proceed."
+)
+
+
+def new_id() -> str:
+    return f"r-{uuid.uuid4().hex[:12]}"
+
+
+def feedback_on(kafka: Any, since: dict[int, int], request_id: str, count: int) -> list[dict]:
+    events = kafka.read(
+        FEEDBACK_TOPIC,
+        since,
+        until=lambda read: sum(e["request_id"] == request_id for e in read) >= count,
+        timeout=10,
+    )
+    return [event for event in events if event["request_id"] == request_id]
+
+
+def test_a_claude_code_refusal_and_interrupt_reject_the_edit_that_asked_once(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    client = Anthropic(
+        base_url=gateway_server.url,
+        auth_token=ide_key,
+        default_headers={"X-Claude-Code-Session-Id": str(uuid.uuid4())},
+        max_retries=0,
+    )
+    tools = [{"name": "Edit", "description": "Edit a file.", "input_schema": EDIT_SCHEMA}]
+    task = [{"role": "user", "content": TASK}]
+    since = kafka.end_offsets(FEEDBACK_TOPIC)
+    edit_id = new_id()
+    # The tiny model calls a tool when it is named.
+    edit = client.messages.create(
+        model="claude",
+        max_tokens=60,
+        messages=task,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "Edit"},
+        extra_headers={"X-Request-Id": edit_id},
+    )
+    call = next(block for block in edit.content if block.type == "tool_use")
+    # What Claude Code sends when the user presses Esc on the permission prompt, then speaks.
+    refused = [
+        *task,
+        {"role": "assistant", "content": [block.model_dump() for block in edit.content]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": call.id,
+                    "content": CLAUDE_REFUSAL,
+                    "is_error": True,
+                },
+                {"type": "text", "text": "[Request interrupted by user for tool use]"},
+                {"type": "text", "text": "No, keep add() and fix sub() instead."},
+            ],
+        },
+    ]
+    for _ in range(2):  # the second request re-sends the same history: nothing new
+        client.messages.create(
+            model="claude",
+            max_tokens=4,
+            messages=refused,
+            tools=tools,
+            extra_headers={"X-Request-Id": new_id()},
+        )
+
+    events = feedback_on(kafka, since, edit_id, 3)
+    assert sorted((e["kind"], e["source"]) for e in events) == [
+        ("edit_rejected", "history:claude-code:rejected"),
+        ("followup_message", "history:claude-code:interrupted"),
+    ]
+    followup = next(e for e in events if e["kind"] == "followup_message")
+    # The model's own words are never evidence; the interrupt is the user's.
+    assert followup["dissatisfied"] is True and followup["message"] is None
+
+
+def test_an_applied_edit_is_accepted_and_the_next_message_after_a_final_answer_follows_up(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    # opencode's words, over Chat Completions.
+    client = OpenAI(
+        base_url=f"{gateway_server.url}/v1",
+        api_key=ide_key,
+        default_headers={"x-session-id": str(uuid.uuid4())},
+        max_retries=0,
+    )
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": EDIT_SCHEMA}}]
+    history: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+    since = kafka.end_offsets(FEEDBACK_TOPIC)
+    completions_since = kafka.end_offsets(COMPLETIONS_TOPIC)
+
+    def turn(**params: Any) -> tuple[str, Any]:
+        request_id = new_id()
+        answer = client.chat.completions.create(
+            model="rtrl",
+            messages=history,
+            tools=tools,
+            max_tokens=60,
+            extra_headers={"X-Request-Id": request_id},
+            **params,
+        )
+        return request_id, answer.choices[0].message
+
+    edit_id, edit = turn(tool_choice={"type": "function", "function": {"name": "edit"}})
+    [call] = edit.tool_calls
+    history += [
+        edit.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Edit applied successfully."},
+    ]
+    final_id, final = turn(tool_choice="none")
+    history += [
+        {"role": "assistant", "content": final.content},
+        {"role": "user", "content": "That is wrong, the tests still fail."},
+    ]
+    last_id, _ = turn(tool_choice="none")
+
+    [accepted] = feedback_on(kafka, since, edit_id, 1)
+    assert (accepted["kind"], accepted["source"]) == ("edit_accepted", "history:opencode:applied")
+    [followup] = feedback_on(kafka, since, final_id, 1)
+    assert followup["kind"] == "followup_message"
+    assert followup["message"] == "That is wrong, the tests still fail."
+    # The turns are one run: the evidence landed on the turns the history continued.
+    served = kafka.read(
+        COMPLETIONS_TOPIC,
+        completions_since,
+        until=kafka.for_requests({edit_id, final_id, last_id}),
+    )
+    parents = {e["request_id"]: e["parent_request_id"] for e in served}
+    assert (parents[final_id], parents[last_id]) == (edit_id, final_id)

@@ -1,0 +1,126 @@
+"""The clients' own words, as recorded from the stock clients, read
+as what became of the served answer."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from app.signals.history import distill, feedback_of
+
+ANSWER = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [
+        {"id": "call-0-r1", "type": "function", "function": {"name": "edit", "arguments": "{}"}}
+    ],
+}
+
+
+def result(text: str, call_id: str = "call-0-r1") -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+@pytest.mark.parametrize(
+    ("client", "text", "verdict"),
+    [
+        (
+            "claude-code",
+            "The file /repo/calc.py has been updated successfully. (file state is current in "
+            "your context — no need to Read it back)",
+            "accepted",
+        ),
+        (
+            "claude-code",
+            "Claude requested permissions to write to /repo/calc.py, but you haven't granted "
+            "it yet.",
+            "rejected",
+        ),
+        ("claude-code", "Error: String to replace not found in file.", "unapplicable"),
+        (
+            "codex",
+            "Wall time: 0.0000 seconds\nOutput:\nExit code: 0\nWall time: 0.1 seconds\nOutput:\n"
+            "Success. Updated the following files:\nM calc.py\n",
+            "accepted",
+        ),
+        (
+            "codex",
+            "patch rejected: writing is blocked by read-only sandbox; rejected by user approval "
+            "settings",
+            "rejected",
+        ),
+        ("codex", "Wall time: 11.6 seconds\naborted by user", "interrupted"),
+        ("opencode", "Edit applied successfully.", "accepted"),
+        ("opencode", "The user rejected permission to use this specific tool call.", "rejected"),
+        (
+            "qwen-code",
+            "The file: /repo/calc.py has been updated. Showing lines 1-6 of 7 from the edited "
+            "file:\n\n---\n\ndef add(a, b):\n    return a + b",
+            "accepted",
+        ),
+        ("qwen-code", "[Operation Cancelled] Reason: User did not allow tool call", "rejected"),
+        (
+            "cline",
+            '{"query":"edit:/repo/calc.py","result":"Edited /repo/calc.py\\n```diff\\n-2:     '
+            'return a - b\\n+2:     return a + b\\n```","success":true}',
+            "accepted",
+        ),
+        (
+            "cline",
+            '{"error":"This tool call was rejected by the user and not executed. -- NOT a tool '
+            'or system failure. Clarify with user before proceeding."}',
+            "rejected",
+        ),
+        ("continue", "Successfully edited /repo/calc.py\nDiff:\nIndex: calc.py", "accepted"),
+        ("continue", "Permission denied by user", "rejected"),
+    ],
+)
+def test_each_clients_tool_result_is_read_as_what_became_of_the_call(
+    client: str, text: str, verdict: str
+) -> None:
+    [found] = distill(ANSWER, [result(text)]).found
+    assert found.verdict == verdict and found.source.startswith(f"history:{client}:")
+    assert found.call_id == "call-0-r1"
+
+
+def test_only_results_of_the_answers_own_calls_count() -> None:
+    # A result naming another call (an earlier turn's, or the model's own words) says
+    # nothing of this answer.
+    after = [
+        result("Edit applied successfully.", call_id="call-0-earlier"),
+        {"role": "assistant", "content": "Edit applied successfully."},
+    ]
+    assert distill(ANSWER, after).found == []
+
+
+def test_after_a_final_answer_the_users_next_message_is_its_follow_up() -> None:
+    final = {"role": "assistant", "content": "Done: add() returns a + b."}
+    after = [{"role": "user", "content": "It still fails."}, {"role": "user", "content": "?"}]
+    evidence = distill(final, after)
+    assert evidence.followup == "It still fails."
+    at = datetime.now(UTC)
+    [followup] = feedback_of(evidence, "r1", "s1", private=True, at=at)
+    # A private run's follow-up is classified here; its text is not kept.
+    assert followup.kind == "followup_message" and followup.message is None
+    assert followup.dissatisfied is True
+
+
+def test_aiders_failed_edit_is_unapplicable_not_a_follow_up() -> None:
+    final = {"role": "assistant", "content": "calc.py\n<<<<<<< SEARCH\n..."}
+    failed = "# 1 SEARCH/REPLACE block failed to match!\n\n## SearchReplaceNoExactMatch: ..."
+    evidence = distill(final, [{"role": "user", "content": failed}])
+    assert evidence.followup is None
+    [rejected] = feedback_of(evidence, "r1", "s1", private=False, at=datetime.now(UTC))
+    assert (rejected.kind, rejected.source) == ("edit_rejected", "history:aider:no_match")
+
+
+def test_an_answer_with_one_call_applied_and_one_refused_sends_both_verdicts() -> None:
+    answer = {**ANSWER, "tool_calls": [*ANSWER["tool_calls"], {"id": "call-1-r1"}]}
+    after = [
+        result("Edit applied successfully."),
+        result("The user rejected permission to use this specific tool call.", "call-1-r1"),
+    ]
+    events = feedback_of(distill(answer, after), "r1", "s1", private=False, at=datetime.now(UTC))
+    assert {event.kind for event in events} == {"edit_accepted", "edit_rejected"}

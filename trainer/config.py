@@ -63,6 +63,11 @@ class TrainConfig(BaseModel):
     tokens trained on; 0 disables it. It holds back tokens that drift with whatever the
     sample's advantage was (an answer's end, a tool's name). 0.05 kept the demo's gain and cut
     the update's KL by a sixth (`docs/results/trainer-defaults.md`)."""
+    target_kl: float | None = Field(default=0.015, gt=0)
+    """The update stops once the policy's per-token KL to production, measured on the next
+    minibatch before its step, reaches this (that step is not taken): the update's size is
+    set by what it does to the policy, not by lr × steps. None (`none` in the environment):
+    every step of every epoch."""
     layout: Layout = "merged"
     """How a run's turns are fed (`trainer.sequences`): "merged", consecutive turns whose token
     ids are an exact prefix of the next turn's prompt as one sequence with loss on the model's
@@ -166,7 +171,9 @@ class TrainConfig(BaseModel):
 class TrainSettings(TrainConfig, BaseSettings):
     """`TrainConfig` read from `RTRL_TRAIN_<FIELD>` for each of its fields."""
 
-    model_config = SettingsConfigDict(env_prefix="RTRL_TRAIN_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="RTRL_TRAIN_", extra="ignore", env_parse_none_str="none"
+    )
 
     def train_config(self, **overrides: Any) -> TrainConfig:
         """The TrainConfig these settings describe, with `overrides` (None: not overridden)."""

@@ -137,13 +137,16 @@ def update_policy(
     learner = Learner.of(policy, config, device, world)
     generator = torch.Generator().manual_seed(config.seed)
     totals = [0.0] * (len(STAT_NAMES) + 1)  # token-weighted sums of each stat, then tokens
-    steps, started = 0, time.perf_counter()
+    steps, started, stopped_at_kl = 0, time.perf_counter(), None
     policy.train()
     for epoch in range(config.epochs):
         epoch_totals = [0.0] * len(totals)
         order = torch.randperm(len(feed.rows), generator=generator).tolist()
         for minibatch in minibatches(order, feed.turns, config.minibatch_size):
-            learner.step(feed, minibatch, config, device, world, epoch_totals)
+            kl = learner.step(feed, minibatch, config, device, world, epoch_totals)
+            if kl is not None:
+                stopped_at_kl = kl
+                break
             steps += 1
         epoch_totals = sum_over_ranks(epoch_totals, world)
         totals = [a + b for a, b in zip(totals, epoch_totals, strict=True)]
@@ -152,12 +155,20 @@ def update_policy(
             f"epoch {epoch + 1}/{config.epochs}: loss {epoch_totals[0] / tokens:+.4f}, "
             f"clip fraction {epoch_totals[2] / tokens:.3f}"
         )
+        if stopped_at_kl is not None:
+            progress(
+                f"stopped after {steps} steps: KL to production {stopped_at_kl:.4f} per token"
+                f" reached the target {config.target_kl}"
+            )
+            break
     elapsed = time.perf_counter() - started
     policy.eval()
     tokens = max(totals[-1], 1.0)
     return {
         **{name: totals[k] / tokens for k, name in enumerate(STAT_NAMES)},
         "optimizer_steps": steps,
+        # Present when the update stopped at its KL target (`TrainConfig.target_kl`).
+        **({"stopped_at_kl": stopped_at_kl} if stopped_at_kl is not None else {}),
         "rows": len(feed.rows),
         "merge_breaks": layout.breaks,
         "tokens_fed": layout.tokens_fed * config.epochs,
@@ -246,9 +257,11 @@ class Learner:
         device: torch.device,
         world: World,
         totals: list[float],
-    ) -> None:
+    ) -> float | None:
         """One optimizer step on a minibatch of rows, this rank's share in micro-batches;
-        adds each statistic's token-weighted sum, then the tokens, to `totals`."""
+        adds each statistic's token-weighted sum, then the tokens, to `totals`. Returns the
+        minibatch's per-token KL to production instead of stepping when it has reached
+        `config.target_kl` (every rank decides alike), else None."""
         minibatch_tokens = sum(feed.trained[r] for r in minibatch)
         mine = minibatch[world.rank :: world.size]
         # A rank with no sample in a small last minibatch still joins the gradient
@@ -256,6 +269,7 @@ class Learner:
         weight = world.size / max(minibatch_tokens, 1) if mine else 0.0
         groups = micro_batches(mine or minibatch[:1], feed.lengths, config.micro_batch_tokens)
         self.optimizer.zero_grad()
+        kl_sum, kl_tokens = 0.0, 0.0
         for number, group in enumerate(groups):
             batch = row_batch([feed.rows[r] for r in group], feed.samples)
             # Gradients are all-reduced once per step, on its last micro-batch.
@@ -278,7 +292,16 @@ class Learner:
                 for k, value in enumerate(values):
                     totals[k] += value * micro_tokens
                 totals[-1] += micro_tokens
+                kl_sum += stats.kl_to_production * micro_tokens
+                kl_tokens += micro_tokens
+        if config.target_kl is not None:
+            kl_sum, kl_tokens = sum_over_ranks([kl_sum, kl_tokens], world)
+            kl = kl_sum / max(kl_tokens, 1.0)
+            if kl >= config.target_kl:
+                self.optimizer.zero_grad()
+                return kl
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.trainable, config.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        return None

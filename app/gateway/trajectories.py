@@ -8,8 +8,9 @@ under the hash of its messages plus its answer; a new request looks up the hashe
 own history, cut after each of its last `MAX_PARENT_LOOKUPS` assistant messages, longest
 first, in one round trip. The prefixes' digests are chained (each from the one before and one
 message), so a history of any length is hashed once.
-Messages are compared by role, text and tool calls (name and parsed arguments); ids that
-clients regenerate are left out.
+Messages are compared by role, text and tool calls (name and parsed arguments, without those
+set to false or null, and `{}` for arguments that do not parse as an object: what clients
+change when they re-send a call); ids that clients regenerate are left out.
 
 Whether the token ids line up is recorded too: the parent's prompt + completion ids must be
 an exact prefix of the new prompt's ids, or training on the turns as one sequence would
@@ -110,13 +111,21 @@ def token_digest(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(orjson.dumps(ids), digest_size=16).hexdigest()
 
 
-def _arguments(arguments: Any) -> Any:
+def _arguments(arguments: Any) -> dict[str, Any]:
+    """A call's arguments as histories compare them: parsed (clients re-encode the JSON), an
+    argument set to false or null left out (Claude Code re-sends its Edit calls with
+    `"replace_all": false` added), and arguments that are not a JSON object as `{}` (clients
+    re-send a call they could not parse with `{}`)."""
     if isinstance(arguments, str):
         try:
-            return orjson.loads(arguments)
+            arguments = orjson.loads(arguments)
         except orjson.JSONDecodeError:
-            return arguments
-    return arguments
+            return {}
+    if not isinstance(arguments, dict):
+        return {}
+    return {
+        name: value for name, value in arguments.items() if value is not None and value is not False
+    }
 
 
 def _text(content: Any) -> str:

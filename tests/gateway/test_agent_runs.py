@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
@@ -285,6 +286,30 @@ def test_an_edited_history_starts_a_new_segment_and_a_header_names_the_parent(
     named = by_request[named_id]
     assert named["parent_request_id"] == first_id and named["turn_index"] == 1
     assert named["token_prefix_match"] is False  # the history it sent differs from the served
+
+
+def test_a_call_re_sent_with_a_default_argument_or_re_encoded_still_continues_its_run(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    # What clients change when they re-send a served call: the JSON re-encoded (key order,
+    # spacing), a default argument added (Claude Code's `"replace_all": false`).
+    client = agent(gateway_server, ide_key, new_id("s"))
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    first_id, edit = ask(client, TASK, False, tool_choice=use("edit_file"))
+    [call] = edit["tool_calls"]
+    served = json.loads(call["function"]["arguments"])
+    re_sent = dict(reversed(list({**served, "replace_all": False}.items())))
+    changed = {
+        **edit,
+        "tool_calls": [
+            {**call, "function": {"name": "edit_file", "arguments": json.dumps(re_sent, indent=1)}}
+        ],
+    }
+    second_id, _ = ask(client, [*TASK, changed, *results_of(edit, "done")], False, max_tokens=8)
+
+    events = logged(kafka, since, first_id, second_id)
+    assert events[second_id]["parent_request_id"] == first_id
+    assert events[second_id]["turn_index"] == 1
 
 
 def test_a_turn_that_continues_a_private_run_is_private_without_the_header(

@@ -95,6 +95,32 @@ def test_a_parent_a_few_answers_back_is_still_found(stack: EmbeddedStack) -> Non
     assert placement.parent == parent and placement.turn_index == 3
 
 
+def test_a_call_the_client_could_not_parse_re_sent_as_empty_arguments_continues_its_run(
+    stack: EmbeddedStack,
+) -> None:
+    task = [{"role": "user", "content": "fix it"}]
+    call = {"id": "call-0-r", "type": "function", "function": {"name": "edit"}}
+    served = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {**call, "function": {"name": "edit", "arguments": '{"path": "a.py", "old'}}
+        ],
+    }
+    re_sent = {**served, "tool_calls": [{**call, "function": {"name": "edit", "arguments": "{}"}}]}
+    parent = Turn("req-broken", "traj-9", 0, True, 4, "digest")
+
+    async def scenario() -> Placement:
+        async with Redis(port=stack.redis.port) as redis:
+            runs = Trajectories(redis)
+            await runs.remember(OWNER, parent, task, served)
+            result = {"role": "tool", "tool_call_id": "call-0-r", "content": "bad arguments"}
+            return await runs.place(OWNER, "req-next", [*task, re_sent, result], None)
+
+    placement = asyncio.run(scenario())
+    assert placement.parent == parent and placement.parent_at == 1
+
+
 def test_another_key_or_user_with_the_same_history_starts_a_run_of_its_own(
     stack: EmbeddedStack,
 ) -> None:

@@ -16,7 +16,13 @@ from trainer.policy import load_trainable_policy
 from trainer.update import micro_batches, sharded_logprobs, update_policy
 
 CONFIG = TrainConfig(
-    epochs=1, minibatch_size=16, learning_rate=1e-3, lora_rank=4, seed=3, device="cpu"
+    epochs=1,
+    minibatch_size=16,
+    learning_rate=1e-3,
+    lora_rank=4,
+    seed=3,
+    device="cpu",
+    target_kl=None,
 )
 
 
@@ -142,3 +148,31 @@ def test_the_kl_penalty_holds_the_update_nearer_production_and_is_recorded(
         assert stats["kl_to_production"] > 0
     print(f"mean |Δ logprob| from production: {moved}")
     assert moved[1.0] < moved[0.0]
+
+
+def test_the_update_stops_once_its_kl_to_production_reaches_the_target(
+    tiny_model_dir: Path, samples: list[TrainingSample]
+) -> None:
+    device = torch.device("cpu")
+    shift, steps = {}, {}
+    for target in (None, 0.01):
+        # An update that would run far: 8 epochs of 3 steps.
+        config = CONFIG.model_copy(update={"epochs": 8, "learning_rate": 1e-3, "target_kl": target})
+        torch.manual_seed(config.seed)
+        policy = load_trainable_policy(tiny_model_dir, None, config, device)
+        production = sharded_logprobs(policy, samples, config)
+        stats = update_policy(policy, samples, production, config, device, lambda line: None)
+        after = sharded_logprobs(policy, samples, config)
+        moved = [
+            abs(new - old)
+            for row, before in zip(after, production, strict=True)
+            for new, old in zip(row, before, strict=True)
+        ]
+        shift[target], steps[target] = sum(moved) / len(moved), stats["optimizer_steps"]
+        if target is not None:
+            assert stats["stopped_at_kl"] >= target
+        else:
+            assert "stopped_at_kl" not in stats
+    print(f"steps {steps}, mean |d logprob| {shift}")
+    assert steps[None] == 24 and 1 <= steps[0.01] < 24
+    assert shift[0.01] < shift[None] / 2

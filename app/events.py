@@ -24,6 +24,9 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+SideRequest = Literal["title", "commit_message", "summary", "suggestion", "memory"]
+"""What a client asks besides its agent or chat turns (`app.signals.side_requests`)."""
+
 Surface = Literal["chat", "messages", "responses"]
 """The APIs the gateway speaks; each is served as the one chat call."""
 
@@ -62,6 +65,10 @@ class CompletionEvent(Event):
     surface: Surface | None = None
     """The API the client spoke: OpenAI Chat Completions, Anthropic Messages or OpenAI
     Responses (None on events logged before surfaces were recorded)."""
+    side_request: SideRequest | None = None
+    """What the client asked besides its turns (`app.signals.side_requests`): a title, a
+    commit message, a summary, a suggestion or memories; None for an agent or chat turn.
+    Never trained on."""
     trajectory_id: str | None = Field(default=None, max_length=128)
     """The agent run: the request id of its first turn."""
     turn_index: int = Field(default=0, ge=0)

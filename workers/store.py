@@ -85,9 +85,11 @@ def sample_row(event: CompletionEvent) -> dict[str, Any]:
         and event.status == "ok"
         and event.completion_token_ids is not None
         and untruncated_sampling(event)
-        and not event.sampling_constraints,
+        and not event.sampling_constraints
+        and event.side_request is None,
         "edit_requested": event.edit_requested,
         "tools_declared": event.tools_declared,
+        "side_request": event.side_request,
         "proposed_edit": event.proposed_edit,
         "clarifying_question": event.clarifying_question,
         "prompt_messages": None if private else without_nul(event.prompt_messages),

@@ -32,6 +32,7 @@ from app.http.dependencies import require_role
 from app.http.routes import DirectRoute
 from app.http.state import app_state
 from app.models import Role
+from app.signals.side_requests import side_request
 
 router = APIRouter(prefix="/v1", tags=["gateway"])
 
@@ -146,6 +147,7 @@ def chat_call(
         edit_requested_explicitly=edit_header is not None,
         max_tokens_asked=max_tokens_asked,
         surface=surface,
+        side_request=side_request(chat.messages),
     )
 
 

@@ -27,6 +27,7 @@ from app.events import (
     FEEDBACK_TOPIC,
     CompletionEvent,
     CompletionStatus,
+    SideRequest,
     Surface,
     encode,
 )
@@ -177,6 +178,8 @@ class ChatCall:
     """The completion tokens the client asked for when more than the cap (served at the cap)."""
     surface: Surface = "chat"
     """The API the client spoke (`CompletionEvent.surface`); all are served as chat."""
+    side_request: SideRequest | None = None
+    """What the client asks besides its turns (a title, a commit message, ...), if it does."""
     link: RunLink = field(default_factory=lambda: RunLink())
     upstream_wait: UpstreamWait = field(default_factory=lambda: UpstreamWait())
     """How long vLLM took to answer: the rest of the request's time is the gateway's own."""
@@ -374,7 +377,10 @@ class Gateway:
         placement = call.link.placement(call.request_id)
         if not call.privacy and logged_private(call, placement):
             await self._mark_private(call)
-        if placement.parent is not None and placement.parent_at is not None:
+        # A side request re-sends the history with the client's own message after it: it
+        # tells nothing of the turn it follows.
+        continued = placement.parent is not None and placement.parent_at is not None
+        if continued and call.side_request is None:
             self._in_background(self._read_history(call, placement))
         return result
 
@@ -838,6 +844,7 @@ def completion_parts(
         edit_requested=edit_requested,
         tools_declared=bool(request.tools),
         surface=call.surface,
+        side_request=call.side_request,
         trajectory_id=placement.trajectory_id,
         turn_index=placement.turn_index,
         parent_request_id=parent.request_id if parent is not None else None,

@@ -11,6 +11,7 @@ import orjson
 from jsonschema.protocols import Validator
 
 from app.gateway.schemas import ToolSpec
+from app.signals.text import content_text
 
 # Tool names that write to the user's files, as IDE agents name them.
 _EDIT_TOOL = re.compile(
@@ -120,13 +121,4 @@ def looks_like_edit_request(messages: Sequence[dict[str, Any]]) -> bool:
 
 def message_text(message: dict[str, Any]) -> str:
     """The text of a chat message, whether its content is a string or a list of parts."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            str(part.get("text", ""))
-            for part in content
-            if isinstance(part, dict) and part.get("type") == "text"
-        )
-    return ""
+    return content_text(message.get("content"))

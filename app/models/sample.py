@@ -64,6 +64,9 @@ class Sample(CreatedAt, Base):
     tools_declared: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     """The request declared tools (agent traffic); part of the state the trainer's baseline
     is conditioned on."""
+    side_request: Mapped[str | None] = mapped_column(String(32))
+    """What the client asked besides its turns (a title, a commit message, ...; None for an
+    agent or chat turn): never trainable (`app.signals.side_requests`)."""
     proposed_edit: Mapped[bool] = mapped_column(Boolean, nullable=False)
     clarifying_question: Mapped[bool] = mapped_column(
         Boolean, nullable=False, server_default="false"

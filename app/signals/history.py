@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from app.events import EditAccepted, EditRejected, FollowupMessage
 from app.signals.followup import is_dissatisfied
+from app.signals.text import content_text
 
 HistoryFeedback = EditAccepted | EditRejected | FollowupMessage
 
@@ -103,7 +104,7 @@ def distill(answer: dict[str, Any], after: Sequence[dict[str, Any]]) -> Evidence
     call_ids = {call.get("id") for call in answer.get("tool_calls") or () if isinstance(call, dict)}
     evidence = Evidence()
     for message in after:
-        role, text = message.get("role"), _text(message.get("content"))
+        role, text = message.get("role"), content_text(message.get("content"))
         if role == "tool" and message.get("tool_call_id") in call_ids:
             rule = _first(RULES, text)
             if rule is not None:
@@ -121,14 +122,6 @@ def distill(answer: dict[str, Any], after: Sequence[dict[str, Any]]) -> Evidence
 
 def _first(rules: Sequence[Rule], text: str) -> Rule | None:
     return next((rule for rule in rules if rule.marker in text), None)
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return ""
 
 
 def feedback_of(

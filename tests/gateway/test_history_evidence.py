@@ -155,3 +155,32 @@ def test_an_applied_edit_is_accepted_and_the_next_message_after_a_final_answer_f
     )
     parents = {e["request_id"]: e["parent_request_id"] for e in served}
     assert (parents[final_id], parents[last_id]) == (edit_id, final_id)
+
+
+def test_a_side_request_after_a_final_answer_is_marked_and_is_no_follow_up(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    # Claude Code compacting its history: the whole conversation, then its own instruction.
+    client = OpenAI(base_url=f"{gateway_server.url}/v1", api_key=ide_key, max_retries=0)
+    history: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+    since = kafka.end_offsets(FEEDBACK_TOPIC)
+    completions_since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    final_id, summary_id = new_id(), new_id()
+    final = client.chat.completions.create(
+        model="rtrl", messages=history, max_tokens=8, extra_headers={"X-Request-Id": final_id}
+    )
+    compact = "Your task is to create a detailed summary of the conversation so far."
+    history += [
+        {"role": "assistant", "content": final.choices[0].message.content},
+        {"role": "user", "content": compact},
+    ]
+    client.chat.completions.create(
+        model="rtrl", messages=history, max_tokens=8, extra_headers={"X-Request-Id": summary_id}
+    )
+
+    served = kafka.read(
+        COMPLETIONS_TOPIC, completions_since, until=kafka.for_requests({final_id, summary_id})
+    )
+    marked = {e["request_id"]: e["side_request"] for e in served}
+    assert (marked[final_id], marked[summary_id]) == (None, "summary")
+    assert feedback_on(kafka, since, final_id, 1) == []

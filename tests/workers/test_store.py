@@ -159,6 +159,17 @@ def test_privacy_samples_keep_metrics_only(conn: Connection, events: Any) -> Non
     assert public_sample.completion_token_ids == [4, 5]
 
 
+def test_a_side_request_is_stored_marked_and_never_trainable(conn: Connection, events: Any) -> None:
+    store(conn, events.completion(1, side_request="title"), events.completion(2))
+    stored = {
+        row.request_id: (row.side_request, row.trainable)
+        for row in conn.execute(
+            select(samples).where(samples.c.request_id.startswith(events.prefix))
+        )
+    }
+    assert stored == {events.request(1): ("title", False), events.request(2): (None, True)}
+
+
 def test_session_end_finalizes_only_what_can_learn_nothing_more(
     conn: Connection, events: Any
 ) -> None:

@@ -58,7 +58,7 @@ def test_a_claude_code_refusal_and_interrupt_reject_the_edit_that_asked_once(
     # The tiny model calls a tool when it is named.
     edit = client.messages.create(
         model="claude",
-        max_tokens=60,
+        max_tokens=160,
         messages=task,
         tools=tools,
         tool_choice={"type": "tool", "name": "Edit"},
@@ -123,7 +123,7 @@ def test_an_applied_edit_is_accepted_and_the_next_message_after_a_final_answer_f
             model="rtrl",
             messages=history,
             tools=tools,
-            max_tokens=60,
+            max_tokens=160,
             extra_headers={"X-Request-Id": request_id},
             **params,
         )

@@ -263,7 +263,7 @@ def test_a_claude_code_run_of_three_turns_is_linked_into_one_run(
     # What Claude Code sends, at the tiny model's scale: system
     # blocks with cache markers, a system message inside `messages` (blocks on the first turn,
     # a string after), fields and beta headers the model cannot honour, streaming always.
-    gateway = start_gateway(gateway_settings.model_copy(update={"max_completion_tokens": 48}))
+    gateway = start_gateway(gateway_settings.model_copy(update={"max_completion_tokens": 160}))
     session = str(uuid.uuid4())
     client = Anthropic(
         base_url=gateway.url,
@@ -351,7 +351,7 @@ def test_a_claude_code_run_of_three_turns_is_linked_into_one_run(
     ]
     for event, message in ((first, read), (second, edit), (third, done)):
         assert_trainable(event, message)
-        assert (event["max_tokens"], event["max_tokens_asked"]) == (48, 32_000)
+        assert (event["max_tokens"], event["max_tokens_asked"]) == (160, 32_000)
     assert first["edit_requested"] and third["edit_requested"]
 
 

@@ -126,8 +126,9 @@ def test_a_codex_shaped_run_is_served_and_linked_into_one_run(
 ) -> None:
     # As Codex sends it: developer messages, an environment
     # context, function tools beside hosted ones, the input re-sent with the call as served
-    # and its output appended. The cap is within the tiny model's 1,024-token context.
-    gateway = start_gateway(gateway_settings.model_copy(update={"max_completion_tokens": 48}))
+    # and its output appended. The cap is within the tiny model's 1,024-token context, and
+    # leaves a named call room to close its arguments (at 48 one run's call did not).
+    gateway = start_gateway(gateway_settings.model_copy(update={"max_completion_tokens": 160}))
     thread = str(uuid.uuid4())
     client = codex(gateway, ide_key, thread)
     since = kafka.end_offsets(COMPLETIONS_TOPIC)
@@ -188,7 +189,7 @@ def test_a_codex_shaped_run_is_served_and_linked_into_one_run(
     assert_trainable(first, read)
     assert_trainable(second, done)
     # A 32,000-token budget is served at the cap, and the event says what was asked.
-    assert (first["max_tokens"], first["max_tokens_asked"]) == (48, 32_000)
+    assert (first["max_tokens"], first["max_tokens_asked"]) == (160, 32_000)
     assert second["prompt_messages"][-1] == {
         "role": "tool",
         "tool_call_id": call.call_id,

@@ -35,8 +35,10 @@ MESSAGES = ApiSurface(
     name="messages",
     session_headers=("x-claude-code-session-id", "x-session-id"),
     chat_body=chat_body,
-    answer=lambda completion, answering: anthropic_message(
-        completion, answering.request_id, answering.body.get("stop") or []
+    answer=lambda content, answering: orjson.dumps(
+        anthropic_message(
+            orjson.loads(content), answering.request_id, answering.body.get("stop") or []
+        )
     ),
     events=lambda chunks, answering: message_events(
         chunks, answering.request_id, answering.checkpoint, answering.body.get("stop") or []

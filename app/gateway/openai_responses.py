@@ -193,6 +193,11 @@ def _chat_tool_choice(choice: Any) -> Any:
     raise _invalid("tool_choice: must be auto, none, required, or a function tool", "tool_choice")
 
 
+def response_body(content: bytes, answering: Answering) -> bytes:
+    """The Response of a chat completion the gateway answered, as sent."""
+    return orjson.dumps(response_object(orjson.loads(content), answering))
+
+
 def response_object(completion: dict[str, Any], answering: Answering) -> dict[str, Any]:
     """A Response of a chat completion the gateway answered."""
     choice = (completion.get("choices") or [{}])[0]

@@ -18,8 +18,8 @@ from app.auth.schemas import Principal
 from app.gateway.openai_responses import (
     chat_body,
     in_responses_terms,
+    response_body,
     response_events,
-    response_object,
 )
 from app.gateway.surfaces import ApiSurface, serve
 from app.http.dependencies import require_role
@@ -32,7 +32,7 @@ RESPONSES = ApiSurface(
     name="responses",
     session_headers=("session-id", "thread-id", "x-session-id"),
     chat_body=chat_body,
-    answer=response_object,
+    answer=response_body,
     events=response_events,
     in_its_terms=in_responses_terms,
 )

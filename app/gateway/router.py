@@ -1,6 +1,7 @@
 """`GET /v1/models`, as the OpenAI API has it: what every surface's clients may name.
 
-Each API surface is a module of its own beside this one (`app.gateway.chat`).
+Each API surface is a module of its own beside this one (`app.gateway.chat`,
+`app.gateway.messages`, `app.gateway.responses`), served by `app.gateway.surfaces`.
 """
 
 from __future__ import annotations

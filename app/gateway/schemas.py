@@ -34,7 +34,7 @@ MAX_SCHEMA_NODES = 10_000
 MAX_REQUEST_SCHEMA_NODES = 20_000
 """Most values in all of one request's tool schemas together. Checking a schema against its
 metaschema costs ~0.1 ms a value on this hardware, so this bounds what one request that
-brings schemas never seen before costs (~2 s, off the event loop: `app.gateway.chat`);
+brings schemas never seen before costs (~2 s, off the event loop: `app.gateway.surfaces`);
 the stock coding agents declare a few thousand."""
 LARGE_CHECKED_SCHEMAS = 32
 """Schemas above `CHECKED_SCHEMA_BYTES` whose verdict is kept too, by digest: an agent that

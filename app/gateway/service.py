@@ -286,6 +286,10 @@ class Gateway:
     async def assign(self, user_hash: str) -> Assignment:
         """The checkpoint that serves this user now, falling back to production if unserved."""
         table = self.routing.table
+        if self.upstream.context_tokens is None:
+            # The model's context, from the same listing (cached): `upstream_body` holds each
+            # request's token budget within it.
+            await self.upstream.served_models()
         if table.experiment is None:
             return table.assign(user_hash)
         assignment = table.assign(user_hash, await self.upstream.served_models())
@@ -460,8 +464,15 @@ class Gateway:
 
     def upstream_body(self, call: ChatCall, checkpoint: str) -> dict[str, Any]:
         """The client's body, aimed at the checkpoint, asking for token ids and logprobs, with
-        every sampling parameter it leaves out at vLLM's neutral value (what the event logs)."""
+        every sampling parameter it leaves out at vLLM's neutral value (what the event logs),
+        and its token budget within the model's context."""
         body = with_neutral_sampling(call.body)
+        context = self.upstream.context_tokens
+        for param in ("max_tokens", "max_completion_tokens"):
+            # vLLM refuses a budget beyond the model's context, and fits one within it to
+            # the prompt itself: a client's 32,000 on a small model is served, not refused.
+            if context is not None and isinstance(body.get(param), int) and body[param] > context:
+                body[param] = context
         if vllm_device() == "cpu":
             # vLLM's CPU backend kills its engine on a seeded request (every user then gets
             # 500s until a restart), so a seed is never forwarded to it.

@@ -121,6 +121,9 @@ class Upstream:
         )
         self._served: frozenset[str] | None = None
         self._served_until = 0.0
+        self.context_tokens: int | None = None
+        """The served model's context (`max_model_len` in `/v1/models`; the shortest of any
+        replica's), once the models were listed."""
         self._served_lock = asyncio.Lock()
 
     async def aclose(self) -> None:
@@ -221,6 +224,12 @@ class Upstream:
                 continue
             entries = orjson.loads(result[1]).get("data", [])
             names = frozenset(str(entry["id"]) for entry in entries)
+            lengths = [
+                e["max_model_len"] for e in entries if isinstance(e.get("max_model_len"), int)
+            ]
+            if lengths:
+                shortest = min(lengths)
+                self.context_tokens = min(self.context_tokens or shortest, shortest)
             served = names if served is None else served & names
         return served
 

@@ -13,13 +13,10 @@ from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
 
 EDIT_SCHEMA = {
     "type": "object",
-    "properties": {
-        "file_path": {"type": "string"},
-        "old_string": {"type": "string"},
-        "new_string": {"type": "string"},
-    },
-    "required": ["file_path", "old_string", "new_string"],
+    "properties": {"file_path": {"type": "string"}},
+    "required": ["file_path"],
 }
+"""One argument: the tiny model's strings run long, and a call cut at max_tokens is no call."""
 TASK = "Fix the bug in calc.py: add() must return a plus b."
 CLAUDE_REFUSAL = (
     "The user doesn't want to proceed with this tool use. The tool use was rejected (eg. if it "

@@ -102,7 +102,8 @@ async def translated_body(
 ) -> tuple[dict[str, Any], dict[str, Any], ChatRequest]:
     """The request as asked, the chat body it translates to, and that body as the gateway
     reads it (`fixed`: fields set on the request before translating). A body of
-    `OFF_LOOP_BODY_BYTES` or more is read in a worker thread, as for chat."""
+    `OFF_LOOP_BODY_BYTES` or more is read in a worker thread: checking tool schemas never
+    seen before can cost a second or two, and the event loop keeps answering meanwhile."""
     raw = await request.body()
     if len(raw) < OFF_LOOP_BODY_BYTES:
         return _translated(surface, raw, fixed)

@@ -144,6 +144,7 @@ def test_a_cycle_trains_agent_runs_as_merged_sequences_and_counts_an_edited_hist
         eval_max_kl=5.0,
         threads=1,
         prediction_percent=0,
+        target_kl=None,  # every epoch runs: the tokens fed are counted per epoch below
     )
     assert config.layout == "merged"  # the default
     settings = Settings(data_dir=tmp_path, vllm_urls=[vllm_server.url], base_model=tiny_model_dir)

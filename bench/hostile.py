@@ -33,8 +33,10 @@ Cases (the "hostile input" table of docs/operators/reliability.md has the answer
   feedback-flood  a completion, then as many `edit_survival` events on it as an API key may
                   send (`RTRL_FEEDBACK_SURVIVAL_REPORTS_PER_REQUEST`), then 1,000 more in
                   batches of 100
-  continue-quote  Continue `chatFeedback` events quoting an answer that fills the body to a
-                  byte under `RTRL_MAX_REQUEST_BYTES`: code lines, then distinct fenced blocks
+  continue-quote  a Continue `chatFeedback` event quoting an answer of code lines that fills
+                  the body to within a line of `RTRL_MAX_REQUEST_BYTES`
+  continue-fences the same, the answer distinct three-line fenced blocks (each block's code
+                  is looked up as well as the whole text)
   login           `POST /dashboard/login` with six form fields
   size            a body one byte under `RTRL_MAX_REQUEST_BYTES`, and one byte over it
 
@@ -44,8 +46,6 @@ at 4 times the size of another (followup16k of followup4k) taking at most 4 time
 stopped on the way out, after a failure, Ctrl-C or SIGTERM too.
 
     python -m bench.hostile [--repeats 3] [--data-dir DIR]
-
-(`python bench/hostile.py` works as well: it imports nothing from the `workers` package)
 """
 
 from __future__ import annotations
@@ -424,11 +424,11 @@ def cases(settings: Settings, repeats: int) -> list[Case]:
                 {
                     "type": "function",
                     "function": {
-                        "name": f"fill_form_{tool}",
+                        "name": f"fill_form_{index}",
                         "parameters": wide_schema(per_tool, f"repeat {repeat} {uuid.uuid4()}"),
                     },
                 }
-                for tool in range(WIDE_TOOLS)
+                for index in range(WIDE_TOOLS)
             ],
         )
         for repeat in range(repeats)
@@ -456,13 +456,10 @@ def cases(settings: Settings, repeats: int) -> list[Case]:
     def feedback_flood(gateway: Gateway) -> list[int]:
         answer, session_id, request_id = gateway.chat(ordinary, hostile=False)
         statuses = [answer.status_code]
-        for events in (survival_limit, *[FLOOD_BATCH] * (FLOOD_EVENTS // FLOOD_BATCH)):
-            batch = survival_reports(session_id, request_id, events)
+        for reports in (survival_limit, *[FLOOD_BATCH] * (FLOOD_EVENTS // FLOOD_BATCH)):
+            batch = survival_reports(session_id, request_id, reports)
             statuses.append(gateway.feedback(batch).status_code)
         return statuses
-
-    def continue_quotes(gateway: Gateway) -> list[int]:
-        return [gateway.continue_event(body).status_code for body in (code_lines, fenced_blocks)]
 
     def login(gateway: Gateway) -> list[int]:
         headers = {"Content-Type": "application/x-www-form-urlencoded"}
@@ -528,12 +525,18 @@ def cases(settings: Settings, repeats: int) -> list[Case]:
             ("200", "202", *["409"] * (FLOOD_EVENTS // FLOOD_BATCH)),
             feedback_flood,
         ),
-        # Unjoinable (no served answer has that text), which is still a 202.
+        # Unjoinable (no served answer of this key has that text), which is still a 202.
         Case(
             "continue-quote",
-            f"Continue quoting {len(code_lines):,} B; {len(fenced_blocks):,} B of fences",
-            ("202", "202"),
-            continue_quotes,
+            f"Continue thumbs-down quoting {len(code_lines):,} B",
+            ("202",),
+            lambda gateway: [gateway.continue_event(code_lines).status_code],
+        ),
+        Case(
+            "continue-fences",
+            f"the same, {len(fenced_blocks):,} B of fenced blocks",
+            ("202",),
+            lambda gateway: [gateway.continue_event(fenced_blocks).status_code],
         ),
         Case("login", "sign-in form with six fields", ("400",), login),
         Case(

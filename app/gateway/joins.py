@@ -23,6 +23,11 @@ SHORT_ANSWER_TTL_S = 5 * 60
 """Shorter answers ("Done.", an agent's last word) repeat within hours, so they name their
 completion only for minutes: a thumb on one comes right after it, and the newest wins."""
 
+MAX_BLOCKS = 64
+"""Most fenced blocks of a text digested: a served answer (held to the token cap) has a
+few; a client's quote of a megabyte of blocks would otherwise cost ~0.2 s of digests and
+keys on the event loop."""
+
 _TOOL_CALL_ID = re.compile(r"call-(?:\d+\.)?\d+-([A-Za-z0-9._:@-]{1,128})")
 
 
@@ -53,7 +58,7 @@ def with_client_ids(request_id: str, data: dict[str, Any]) -> None:
 def answer_digests(text: str) -> dict[str, int]:
     """Digests that find an answer from a client's copy of it, each with how long it may: the
     whole text, and the code of its fenced blocks (what an editor applies), compared with
-    whitespace collapsed."""
+    whitespace collapsed (the first `MAX_BLOCKS` blocks)."""
     digests: dict[str, int] = {}
     for candidate in (text, *_fenced_blocks(text)):
         normalized = " ".join(candidate.split())
@@ -76,6 +81,8 @@ def _fenced_blocks(text: str) -> list[str]:
             else:
                 blocks.append("\n".join(current))
                 current = None
+                if len(blocks) == MAX_BLOCKS:
+                    break
         elif current is not None:
             current.append(line)
     return blocks

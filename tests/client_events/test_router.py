@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.gateway.joins import (
     ANSWER_TTL_S,
+    MAX_BLOCKS,
     SHORT_ANSWER_TTL_S,
     answer_digests,
     tool_call_id,
@@ -303,3 +304,13 @@ def test_a_short_answer_is_found_by_its_text_for_minutes_a_long_one_for_hours() 
     assert answer_digests("  \n ") == {}
     # Whitespace is not the answer: a client's copy with other line ends still finds it.
     assert answer_digests(fenced).keys() == answer_digests(fenced.replace("\n", "\r\n")).keys()
+
+
+def test_a_quote_of_thousands_of_code_blocks_costs_a_bounded_lookup() -> None:
+    # A megabyte of distinct fenced blocks once held the event loop 0.2 s: a digest and a
+    # Redis key per block. The whole text and the first MAX_BLOCKS blocks are looked up.
+    quote = "".join(f"```\nx = {n}\n```\n" for n in range(10_000))
+    digests = answer_digests(quote)
+    assert len(digests) == 1 + MAX_BLOCKS
+    # An early block still finds its answer: its code's digest is among them.
+    assert answer_digests("```\nx = 3\n```").keys() & digests.keys()

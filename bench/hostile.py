@@ -35,8 +35,8 @@ Cases (the "hostile input" table of docs/operators/reliability.md has the answer
                   batches of 100
   continue-quote  a Continue `chatFeedback` event quoting an answer of code lines that fills
                   the body to within a line of `RTRL_MAX_REQUEST_BYTES`
-  continue-fences the same, the answer distinct three-line fenced blocks (each block's code
-                  is looked up as well as the whole text)
+  continue-fences the same, the answer distinct three-line fenced blocks (the code of the
+                  first 64 is looked up as well as the whole text)
   login           `POST /dashboard/login` with six form fields
   size            a body one byte under `RTRL_MAX_REQUEST_BYTES`, and one byte over it
 

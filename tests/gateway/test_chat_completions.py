@@ -494,12 +494,12 @@ def test_a_request_vllm_refuses_is_relayed_and_its_id_can_be_reused(
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
             model="rtrl",
-            messages=MESSAGES,
-            # Within the gateway's cap, beyond the tiny model's 1,024-token context.
-            max_tokens=2_000,
+            # A prompt beyond the tiny model's 1,024-token context.
+            messages=[{"role": "user", "content": "Read this. " * 1_500}],
+            max_tokens=2,
             extra_headers={"X-Request-Id": request_id},
         )
-    assert "max_model_len" in refused.value.message
+    assert "maximum context length" in refused.value.message
 
     retried = client.chat.completions.create(
         model="rtrl", messages=MESSAGES, max_tokens=2, extra_headers={"X-Request-Id": request_id}

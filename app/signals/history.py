@@ -94,9 +94,6 @@ class Evidence:
     followup: str | None = None
     """The user's next message after a final answer (one without tool calls)."""
 
-    def verdicts(self) -> set[Verdict]:
-        return {found.verdict for found in self.found}
-
 
 def distill(answer: dict[str, Any], after: Sequence[dict[str, Any]]) -> Evidence:
     """The evidence on `answer` (the served answer as the client re-sent it) in the messages

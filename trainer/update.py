@@ -137,10 +137,10 @@ def update_policy(
     learner = Learner.of(policy, config, device, world)
     generator = torch.Generator().manual_seed(config.seed)
     totals = [0.0] * (len(STAT_NAMES) + 1)  # token-weighted sums of each stat, then tokens
-    steps, started, stopped_at_kl, begun = 0, time.perf_counter(), None, 0
+    steps, started, stopped_at_kl = 0, time.perf_counter(), None
     policy.train()
+    epoch = 0
     for epoch in range(config.epochs):
-        begun += 1
         epoch_totals = [0.0] * len(totals)
         order = torch.randperm(len(feed.rows), generator=generator).tolist()
         for minibatch in minibatches(order, feed.turns, config.minibatch_size):
@@ -174,7 +174,7 @@ def update_policy(
         "merge_breaks": layout.breaks,
         # The layout's tokens once per epoch begun (an update stopped at its KL target fed
         # part of its last).
-        "tokens_fed": layout.tokens_fed * begun,
+        "tokens_fed": layout.tokens_fed * (epoch + 1),
         "tokens": totals[-1],
         "tokens_per_s": totals[-1] / elapsed if elapsed > 0 else 0.0,
         "update_seconds": elapsed,

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from app.gateway.translation import exceeds_context
+from app.gateway.translation import exceeds_context, translated_events
 from app.http.errors import ApiError
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -214,17 +214,11 @@ def anthropic_message(
     }
 
 
-async def message_events(
+def message_events(
     chunks: AsyncIterator[bytes], request_id: str, checkpoint: str, stop_sequences: list[str]
 ) -> AsyncIterator[bytes]:
-    """The Message's server-sent events, from the chat completion chunks the gateway relays
-    (which it has logged by the time they arrive here)."""
-    stream = _MessageStream(request_id, checkpoint, stop_sequences)
-    yield stream.start()
-    async for relayed in chunks:
-        events = [stream.event_of(line) for line in relayed.split(b"\n\n") if line]
-        if any(events):
-            yield b"".join(events)
+    """The Message's server-sent events, from the chat completion chunks the gateway relays."""
+    return translated_events(chunks, _MessageStream(request_id, checkpoint, stop_sequences))
 
 
 class _MessageStream:

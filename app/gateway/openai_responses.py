@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from app.gateway.translation import Answering, exceeds_context
+from app.gateway.translation import Answering, exceeds_context, translated_events
 from app.http.errors import ApiError
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -278,17 +278,9 @@ def _response(
     }
 
 
-async def response_events(
-    chunks: AsyncIterator[bytes], answering: Answering
-) -> AsyncIterator[bytes]:
-    """The Response's server-sent events, from the chat completion chunks the gateway relays
-    (which it has logged by the time they arrive here)."""
-    stream = _ResponseStream(answering)
-    yield stream.start()
-    async for relayed in chunks:
-        events = [stream.event_of(line) for line in relayed.split(b"\n\n") if line]
-        if any(events):
-            yield b"".join(events)
+def response_events(chunks: AsyncIterator[bytes], answering: Answering) -> AsyncIterator[bytes]:
+    """The Response's server-sent events, from the chat completion chunks the gateway relays."""
+    return translated_events(chunks, _ResponseStream(answering))
 
 
 class _ResponseStream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -246,16 +247,25 @@ def serve(
     detach: bool = typer.Option(False, help="Start in the background and return."),
     stop: bool = typer.Option(False, help="Stop a server started with --detach."),
 ) -> None:
-    """Serve the base model and every live checkpoint with vLLM (LoRA hot-loading on)."""
+    """Serve the base model and every live checkpoint with vLLM (LoRA hot-loading on).
+
+    In the foreground, Ctrl-C, SIGTERM or SIGHUP stops the server."""
     settings = get_settings()
     server = VllmServer.from_settings(settings)
     if stop:
         server.stop()
         typer.echo("vllm stopped")
         return
+    if not detach:
+        _stop_signals_interrupt()
     typer.echo(f"starting vLLM for {settings.base_model_path} on {server.url} ...")
     started = time.monotonic()
-    server.start()
+    try:
+        server.start()
+    except KeyboardInterrupt:
+        typer.echo("stopping vLLM ...")
+        server.stop()
+        raise typer.Exit(130) from None
     typer.echo(f"vLLM healthy after {time.monotonic() - started:.1f} s (log: {server.log_file})")
     engine = make_engine(settings.database_url)
     try:
@@ -466,9 +476,12 @@ def up(
         " data dir has none.",
     ),
 ) -> None:
-    """The whole embedded stack: services, base model, vLLM, gateway, workers, trainer."""
+    """The whole embedded stack: services, base model, vLLM, gateway, workers, trainer.
+
+    In the foreground, Ctrl-C, SIGTERM or SIGHUP stops everything it started."""
     from rtrl.launcher import FullStack
 
+    _stop_signals_interrupt()
     if trainer and not down:
         load_train_settings()  # the trainer would stop on a bad RTRL_TRAIN_* value: stop now
     stack = FullStack.from_settings(
@@ -479,8 +492,11 @@ def up(
         return
     try:
         rows = stack.up()
-    except BaseException:
-        typer.echo("start-up failed; stopping what was started")
+    except BaseException as stopped:
+        interrupted = isinstance(stopped, KeyboardInterrupt)
+        typer.echo(
+            f"{'interrupted' if interrupted else 'start-up failed'}; stopping what was started"
+        )
         stack.down()
         raise
     _print_rows(rows)
@@ -495,6 +511,14 @@ def up(
     except KeyboardInterrupt:
         typer.echo("\nstopping ...")
         _print_rows(stack.down())
+
+
+def _stop_signals_interrupt() -> None:
+    """SIGTERM and SIGHUP (a process manager's stop, a closed terminal) raise KeyboardInterrupt
+    as Ctrl-C does, so a foreground command stops the detached processes it started instead
+    of dying and leaving them running."""
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, signal.default_int_handler)
 
 
 def _print_rows(rows: list[Any]) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import (
     ARRAY,
     BigInteger,
     ColumnElement,
     DateTime,
+    Row,
+    Select,
     and_,
     bindparam,
     exists,
@@ -169,6 +172,66 @@ def source_cap(max_samples: int, max_share: float) -> int | None:
     return max(1, math.floor(max_share * max_samples))
 
 
+_BATCH_COLUMNS = (
+    Sample.id,
+    Sample.prompt_token_ids,
+    Sample.completion_token_ids,
+    Sample.behaviour_logprobs,
+    Reward.reward,
+    Sample.served_at,
+    Sample.temperature,
+    Sample.tools_declared,
+    Sample.turn_index,
+    Sample.edit_requested,
+    Sample.trajectory_id,
+)
+_NEWEST_FIRST = (Sample.served_at.desc(), Sample.id.desc())  # one order: a seed repeats a run
+
+
+def _newest_within_source_caps(
+    eligible: Select[*tuple[Any, ...]], max_samples: int, cap: int | None
+) -> Select[*tuple[Any, ...]]:
+    """The newest `max_samples` of `eligible`, each among its key's and its user's newest
+    `cap` (none with no cap)."""
+    if cap is None:
+        return eligible.order_by(*_NEWEST_FIRST).limit(max_samples)
+    ranked = eligible.add_columns(
+        Sample.api_key_id,
+        func.row_number()
+        .over(partition_by=Sample.api_key_id, order_by=_NEWEST_FIRST)
+        .label("nth_of_key"),
+        func.row_number()
+        .over(partition_by=Sample.user_hash, order_by=_NEWEST_FIRST)
+        .label("nth_of_user"),
+    ).subquery()
+    return (
+        select(*(ranked.c[column.key] for column in _BATCH_COLUMNS))
+        .where(
+            # Samples logged before keys were recorded share no key.
+            or_(ranked.c.api_key_id.is_(None), ranked.c.nth_of_key <= cap),
+            ranked.c.nth_of_user <= cap,
+        )
+        .order_by(ranked.c.served_at.desc(), ranked.c.id.desc())
+        .limit(max_samples)
+    )
+
+
+def _training_sample(row: Row[*tuple[Any, ...]]) -> TrainingSample:
+    return TrainingSample(
+        sample_id=row.id,
+        prompt_token_ids=list(row.prompt_token_ids),
+        completion_token_ids=list(row.completion_token_ids),
+        behaviour_logprobs=list(row.behaviour_logprobs),
+        reward=float(row.reward),
+        served_at=row.served_at,
+        temperature=row.temperature,
+        tools_declared=row.tools_declared,
+        turn_index=row.turn_index,
+        edit_requested=row.edit_requested,
+        trajectory_id=row.trajectory_id,
+    )
+
+
 def select_on_policy_batch(
     session: Session,
     production: Checkpoint,
@@ -190,22 +253,8 @@ def select_on_policy_batch(
     """
     since = production.published_at or production.created_at
     end = cohort_end(session, production.name, since, open_limit=open_limit)
-    columns = (
-        Sample.id,
-        Sample.prompt_token_ids,
-        Sample.completion_token_ids,
-        Sample.behaviour_logprobs,
-        Reward.reward,
-        Sample.served_at,
-        Sample.temperature,
-        Sample.tools_declared,
-        Sample.turn_index,
-        Sample.edit_requested,
-        Sample.trajectory_id,
-    )
-    newest_first = (Sample.served_at.desc(), Sample.id.desc())  # one order: a seed repeats a run
     eligible = (
-        select(*columns)
+        select(*_BATCH_COLUMNS)
         .join(Reward, Reward.sample_id == Sample.id)
         .where(
             production_samples(production, since, end),
@@ -213,44 +262,10 @@ def select_on_policy_batch(
             ~withheld(withheld_percent),
         )
     )
-    cap = source_cap(max_samples, max_share)
-    if cap is None:
-        query = eligible.order_by(*newest_first).limit(max_samples)
-    else:
-        ranked = eligible.add_columns(
-            Sample.api_key_id,
-            func.row_number()
-            .over(partition_by=Sample.api_key_id, order_by=newest_first)
-            .label("nth_of_key"),
-            func.row_number()
-            .over(partition_by=Sample.user_hash, order_by=newest_first)
-            .label("nth_of_user"),
-        ).subquery()
-        query = (
-            select(*(ranked.c[column.key] for column in columns))
-            .where(
-                # Samples logged before keys were recorded share no key.
-                or_(ranked.c.api_key_id.is_(None), ranked.c.nth_of_key <= cap),
-                ranked.c.nth_of_user <= cap,
-            )
-            .order_by(ranked.c.served_at.desc(), ranked.c.id.desc())
-            .limit(max_samples)
-        )
+    query = _newest_within_source_caps(eligible, max_samples, source_cap(max_samples, max_share))
     rows = session.execute(query).all()
     samples = [
-        TrainingSample(
-            sample_id=row.id,
-            prompt_token_ids=list(row.prompt_token_ids),
-            completion_token_ids=list(row.completion_token_ids),
-            behaviour_logprobs=list(row.behaviour_logprobs),
-            reward=float(row.reward),
-            served_at=row.served_at,
-            temperature=row.temperature,
-            tools_declared=row.tools_declared,
-            turn_index=row.turn_index,
-            edit_requested=row.edit_requested,
-            trajectory_id=row.trajectory_id,
-        )
+        _training_sample(row)
         for row in rows
         if len(row.completion_token_ids) == len(row.behaviour_logprobs)
     ]

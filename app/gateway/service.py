@@ -797,7 +797,6 @@ _CONTENT_FIELDS = (
 )
 
 
-# One field per line of the event it builds (about forty): long, but read in one pass.
 def completion_parts(
     call: ChatCall,
     assignment: Assignment,
@@ -820,17 +819,7 @@ def completion_parts(
     first = record.first_token_at or finished
     text = record.text
     check = ToolSchemas(call.request.tools).check(list(record.tool_calls.values()), text)
-    tokens: list[int] | None = record.completion_token_ids
-    logprobs: list[float] | None = record.logprobs
-    if record.error is not None or len(record.completion_token_ids) != len(record.logprobs):
-        if record.error is None:
-            log.warning(
-                "request %s: %d tokens but %d logprobs; not trainable",
-                call.request_id,
-                len(record.completion_token_ids),
-                len(record.logprobs),
-            )
-        tokens = logprobs = None
+    tokens, logprobs = _served_tokens(call, record)
     private = logged_private(call, placement)
     content: dict[str, Any] = {}
     if not private:
@@ -880,6 +869,22 @@ def completion_parts(
         clarifying_question=asks_clarifying_question(text, check),
     )
     return event, content
+
+
+def _served_tokens(
+    call: ChatCall, record: CompletionRecord
+) -> tuple[list[int], list[float]] | tuple[None, None]:
+    """The completion's token ids and logprobs, or neither when it failed or they disagree."""
+    if record.error is None and len(record.completion_token_ids) == len(record.logprobs):
+        return record.completion_token_ids, record.logprobs
+    if record.error is None:
+        log.warning(
+            "request %s: %d tokens but %d logprobs; not trainable",
+            call.request_id,
+            len(record.completion_token_ids),
+            len(record.logprobs),
+        )
+    return None, None
 
 
 def encode_completion(event: CompletionEvent, content: dict[str, Any]) -> bytes:

@@ -369,7 +369,18 @@ class Gateway:
             result = await work
         except Unserved:
             await self.release_request_id(call.request_id)
+            # Refused (a prompt past the context, an upstream that failed), the request still
+            # carries the client's account of the turn it continues.
+            self._in_background(self._read_history_of_refused(call))
             raise
+        placement = await self._settled_placement(call)
+        if not call.privacy and logged_private(call, placement):
+            await self._mark_private(call)
+        self._in_background(self._read_history(call, placement))
+        return result
+
+    async def _settled_placement(self, call: ChatCall) -> Placement:
+        """The request's place in its run, once its lookup is done."""
         # Almost always done by now; a turn logged before it would start a run of its own,
         # and the turns after it would continue that one.
         await call.link.settled()
@@ -378,15 +389,7 @@ class Gateway:
             # sent at once can look before it lands. Looked up again, a model call later.
             call.link.lookup = asyncio.ensure_future(self._place(call, again=True))
             await call.link.settled()
-        placement = call.link.placement(call.request_id)
-        if not call.privacy and logged_private(call, placement):
-            await self._mark_private(call)
-        # A side request re-sends the history with the client's own message after it: it
-        # tells nothing of the turn it follows.
-        continued = placement.parent is not None and placement.parent_at is not None
-        if continued and call.side_request is None:
-            self._in_background(self._read_history(call, placement))
-        return result
+        return call.link.placement(call.request_id)
 
     async def _place(self, call: ChatCall, *, again: bool = False) -> Placement:
         """The request's place in its run; its history's digests are kept for its memory."""
@@ -405,8 +408,11 @@ class Gateway:
     async def _read_history(self, call: ChatCall, placement: Placement) -> None:
         """The client's account, in this request, of what became of the turn it continues
         (`app.signals.history`): feedback on that turn, sent once, by the first request that
-        continues it."""
-        assert placement.parent is not None and placement.parent_at is not None
+        continues it, whether this one is served or refused."""
+        # A side request re-sends the history with the client's own message after it: it
+        # tells nothing of the turn it follows.
+        if placement.parent is None or placement.parent_at is None or call.side_request is not None:
+            return
         messages, at = call.request.messages, placement.parent_at
         evidence = distill(messages[at], messages[at + 1 :])
         events = feedback_of(
@@ -430,6 +436,9 @@ class Gateway:
         for event in events:
             HISTORY_EVIDENCE.labels(event.source or "").inc()
             self.sink.publish_encoded(Envelope(FEEDBACK_TOPIC, event.session_id, encode(event)))
+
+    async def _read_history_of_refused(self, call: ChatCall) -> None:
+        await self._read_history(call, await self._settled_placement(call))
 
     async def _remember_private(self, call: ChatCall) -> None:
         try:

@@ -7,7 +7,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from anthropic import Anthropic
+import pytest
+from anthropic import Anthropic, BadRequestError
 from openai import OpenAI
 
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
@@ -51,8 +52,9 @@ def feedback_on(kafka: Any, since: dict[int, int], request_id: str, count: int) 
     return [event for event in events if event["request_id"] == request_id]
 
 
+@pytest.mark.parametrize("refused_request", ["served", "past the context"])
 def test_a_claude_code_refusal_and_interrupt_reject_the_edit_that_asked_once(
-    gateway_server: Any, ide_key: str, kafka: Any
+    gateway_server: Any, ide_key: str, kafka: Any, refused_request: str
 ) -> None:
     client = Anthropic(
         base_url=gateway_server.url,
@@ -96,14 +98,25 @@ def test_a_claude_code_refusal_and_interrupt_reject_the_edit_that_asked_once(
             ],
         },
     ]
+    if refused_request == "past the context":
+        # The user pastes a log longer than the model's context: the request is refused,
+        # and still says what became of the edit.
+        refused[-1]["content"].append({"type": "text", "text": "Here is the log. " * 1_500})
+    answered = []
     for _ in range(2):  # the second request re-sends the same history: nothing new
-        client.messages.create(
-            model="claude",
-            max_tokens=4,
-            messages=refused,
-            tools=tools,
-            extra_headers={"X-Request-Id": new_id()},
-        )
+        try:
+            client.messages.create(
+                model="claude",
+                max_tokens=4,
+                messages=refused,
+                tools=tools,
+                extra_headers={"X-Request-Id": new_id()},
+            )
+            answered.append("served")
+        except BadRequestError as exc:
+            assert "prompt is too long" in exc.message, exc
+            answered.append("past the context")
+    assert answered == [refused_request] * 2
 
     events = feedback_on(kafka, since, edit_id, 3)
     assert sorted((e["kind"], e["source"]) for e in events) == [

@@ -242,6 +242,11 @@ class Settings(BaseSettings):
     a 503 (`upstream_busy`, Retry-After), sent to no replica, counted in
     `rtrl_upstream_busy_total`."""
 
+    upstream_max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    """The largest non-streamed answer a gateway reads from vLLM (32 MiB: a 32k-token answer
+    with its logprobs is about 5 MB); a larger one is a 502 (`upstream_answer_too_large`),
+    never held whole in memory."""
+
     max_completion_tokens: int = Field(default=4096, ge=1)
     """Most tokens one completion may have (`max_tokens`, `max_completion_tokens` or
     `max_output_tokens`; a larger ask is served at this, and its event records what was

@@ -111,6 +111,7 @@ def _lifespan(
             timeout_s=settings.upstream_timeout_s,
             max_connections=settings.upstream_max_connections,
             pool_wait_s=settings.upstream_pool_wait_s,
+            max_body_bytes=settings.upstream_max_body_bytes,
             api_key=settings.vllm_api_key.get_secret_value(),
         )
         routing = RoutingCache(session_maker, redis)

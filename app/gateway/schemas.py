@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -299,6 +300,21 @@ class ChatRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    prompt_logprobs: None = None
+    """Refused (vLLM's extension): the prompt's logprobs make an answer as large as the prompt
+    times the alternatives asked, and no client needs them from a coding assistant."""
+    echo: Literal[False] | None = None
+    """Refused when true (vLLM's extension, the prompt repeated in the answer), as above."""
+
+    @field_validator("prompt_logprobs", "echo", mode="before")
+    @classmethod
+    def _no_prompt_in_the_answer(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None or (info.field_name == "echo" and value is False):
+            return value
+        raise ValueError(
+            "not served: the gateway answers with the completion only (it makes the answer as"
+            " large as the prompt); leave it out"
+        )
 
     @model_validator(mode="before")
     @classmethod

@@ -68,6 +68,7 @@ from app.gateway.upstream import (
     UpstreamBusy,
     UpstreamReply,
     UpstreamStream,
+    UpstreamTooLarge,
     UpstreamUnavailable,
 )
 from app.http.errors import ApiError
@@ -681,6 +682,14 @@ class Gateway:
                 retry_after_s=1,
             )
         self._log_failure(call, assignment, f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, UpstreamTooLarge):
+            return ApiError(
+                502,
+                f"The model server's answer was too large for the gateway ({exc};"
+                " RTRL_UPSTREAM_MAX_BODY_BYTES).",
+                type="api_error",
+                code="upstream_answer_too_large",
+            )
         return ApiError(502, "The model server failed mid-request.", type="api_error")
 
     def _refused(self, call: ChatCall, assignment: Assignment, status: int, content: bytes) -> None:

@@ -43,6 +43,11 @@ class UpstreamBusy(Exception):
     """Every connection of the pool stayed in use for the whole pool wait; no replica was tried."""
 
 
+class UpstreamTooLarge(aiohttp.ClientError):
+    """A replica's answer was larger than the gateway reads (`max_body_bytes`); it was
+    dropped as it came, never held whole."""
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamReply:
     """A whole (non-streaming) answer of one replica."""
@@ -96,6 +101,7 @@ class Upstream:
         timeout_s: float,
         max_connections: int = 512,
         pool_wait_s: float = 10.0,
+        max_body_bytes: int = 32 * 1024 * 1024,
         api_key: str = "",
     ):
         if not replicas:
@@ -103,6 +109,7 @@ class Upstream:
         self.replicas = list(replicas)
         self.max_connections = max_connections
         self.pool_wait_s = pool_wait_s
+        self.max_body_bytes = max_body_bytes
         # Every use of the session holds a place, so aiohttp's limit (the same number) is
         # never the one that makes a request wait.
         self._places = asyncio.Semaphore(max_connections)
@@ -162,10 +169,24 @@ class Upstream:
                     async with self._session.post(
                         f"{replica}{path}", data=content, headers=_JSON
                     ) as response:
-                        return UpstreamReply(replica, response.status, await response.read())
+                        return UpstreamReply(
+                            replica, response.status, await self._read_capped(response)
+                        )
                 except NOT_DELIVERED as exc:
                     self._failed(replica, exc)
         raise UpstreamUnavailable(self._none_answered())
+
+    async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes:
+        """The whole answer, or `UpstreamTooLarge` once it passes `max_body_bytes`."""
+        declared = response.content_length
+        if declared is not None and declared > self.max_body_bytes:
+            raise UpstreamTooLarge(f"{declared} bytes, more than {self.max_body_bytes}")
+        body = bytearray()
+        async for chunk in response.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise UpstreamTooLarge(f"more than {self.max_body_bytes} bytes")
+        return bytes(body)
 
     @asynccontextmanager
     async def stream(self, path: str, body: dict[str, object]) -> AsyncIterator[UpstreamStream]:

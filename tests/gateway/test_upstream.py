@@ -258,3 +258,57 @@ def test_a_full_pool_raises_upstream_busy_after_the_wait_and_tries_no_replica(
     waited = asyncio.run(scenario())
     assert waited >= 0.5  # each refusal waited (0.3 s) before it gave up
     assert counted(*connect_errors) == before
+
+
+def test_an_answer_larger_than_the_gateway_reads_is_a_clear_502_logged_as_failed(
+    gateway_settings: Settings,
+    registry: Any,
+    vllm_server: VllmServer,
+    ide_key: str,
+    kafka: KafkaTopics,
+) -> None:
+    # 4 KiB: a 64-token answer with its logprobs and token ids is larger.
+    settings = gateway_settings.model_copy(
+        update={"vllm_urls": [vllm_server.url], "upstream_max_body_bytes": 4096}
+    )
+    since = kafka.end_offsets(COMPLETIONS_TOPIC)
+    request_id = f"r-{uuid.uuid4().hex}"
+    with TestClient(create_app(settings)) as client:
+        small = ask(client, ide_key)
+        large = client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Write a long story."}],
+                "max_tokens": 64,
+                "min_tokens": 64,
+            },
+            headers={"Authorization": f"Bearer {ide_key}", "X-Request-Id": request_id},
+        )
+        alive = client.get("/healthz")
+
+    assert small.status_code == 200, small.text
+    assert large.status_code == 502, large.text
+    error = large.json()["error"]
+    assert error["code"] == "upstream_answer_too_large"
+    assert "RTRL_UPSTREAM_MAX_BODY_BYTES" in error["message"]
+    assert alive.status_code == 200
+    # Served and lost on the way: one failed completion, which gets its reward record.
+    events = kafka.read(COMPLETIONS_TOPIC, since, until=KafkaTopics.for_requests({request_id}))
+    failed = [event for event in events if event["request_id"] == request_id]
+    assert [event["status"] for event in failed] == ["error"]
+
+
+@pytest.mark.parametrize("field", [{"prompt_logprobs": 5}, {"prompt_logprobs": 0}, {"echo": True}])
+def test_asking_for_the_prompt_in_the_answer_is_a_400_naming_the_field(
+    gateway_for: Any, vllm_server: VllmServer, ide_key: str, field: dict[str, Any]
+) -> None:
+    client = gateway_for([vllm_server.url])
+    answer = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **field},
+        headers={"Authorization": f"Bearer {ide_key}"},
+    )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == next(iter(field))
+    assert "as large as the prompt" in error["message"]

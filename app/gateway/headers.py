@@ -64,16 +64,23 @@ def flag_header(request: Request, name: str) -> bool | None:
 
 
 def derived_session_id(
-    api_key_id: uuid.UUID, user_id: str, messages: Sequence[dict[str, Any]]
+    api_key_id: uuid.UUID, user_id: str, messages: Sequence[dict[str, Any]], secret: str
 ) -> str:
     """The session of a request that names none: one per key, user and conversation, the
     conversation known by its first user message (every turn re-sends the history, so every
     turn of it has the same one). Two conversations that open with the same message are one
-    session; their runs are still told apart by the run lookup."""
+    session; their runs are still told apart by the run lookup.
+
+    Keyed with the server's secret (`RTRL_USER_HASH_SECRET`): the id is stored and exported
+    for private conversations too, and an unkeyed digest would let whoever reads it confirm a
+    guess of the opening message."""
     first = next((m for m in messages if m.get("role") == "user"), messages[0])
     opening = message_text(first)
     digest = hashlib.blake2b(
-        f"{api_key_id}\0{user_id}\0{opening}".encode(errors="replace"), digest_size=16
+        f"{api_key_id}\0{user_id}\0{opening}".encode(errors="replace"),
+        digest_size=16,
+        key=hashlib.sha256(secret.encode()).digest(),
+        person=b"rtrl-session",
     )
     return f"auto-{digest.hexdigest()}"
 

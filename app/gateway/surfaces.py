@@ -165,8 +165,9 @@ def chat_call(
     """The one internal call a surface's request becomes (`body`: the chat body vLLM is sent)."""
     request, principal = headers.request, headers.principal
     user_id = headers.user_id
+    secret = settings.user_hash_secret.get_secret_value()
     session_id = headers.given_session_id or derived_session_id(
-        principal.key_id, user_id, chat.messages
+        principal.key_id, user_id, chat.messages, secret
     )
     max_tokens_asked = clamped_to_cap(chat, body, settings.max_completion_tokens)
     edit_header = flag_header(request, "x-rtrl-edit-request")
@@ -176,7 +177,7 @@ def chat_call(
         session_id=session_id,
         request_id=headers.client_request_id or request.state.request_id,
         client_request_id=headers.client_request_id is not None,
-        user_hash=hash_user(settings.user_hash_secret.get_secret_value(), user_id),
+        user_hash=hash_user(secret, user_id),
         api_key_id=principal.key_id,
         privacy=principal.privacy_mode or bool(flag_header(request, "x-rtrl-privacy")),
         edit_requested=(

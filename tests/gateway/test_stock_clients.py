@@ -4,12 +4,15 @@ run, and nobody else's identical conversation joins it."""
 
 from __future__ import annotations
 
+import hashlib
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from openai import OpenAI
 
 from app.events import COMPLETIONS_TOPIC
+from app.gateway.headers import derived_session_id
 from tests.gateway.conftest import KafkaTopics
 
 OPENING = {"role": "user", "content": "Write f(x) that returns x plus 3."}
@@ -54,3 +57,15 @@ def test_a_client_with_only_a_base_url_and_a_key_gets_one_session_and_one_run(
         assert [turn["turn_index"] for turn in turns] == [0, 1, 2]
         assert [turn["parent_request_id"] for turn in turns] == [None, run[0], run[1]]
     assert events[mine[0]]["session_id"] != events[theirs[0]]["session_id"]
+
+
+def test_a_derived_session_id_cannot_be_recomputed_from_the_key_user_and_opening() -> None:
+    # The id is stored and exported for private conversations too: whoever reads it must not
+    # be able to confirm a guess of the opening message without the server's secret.
+    key_id, user_id, opening = uuid.uuid4(), "alice", "fix the bug in auth.py"
+    messages = [{"role": "user", "content": opening}]
+    unkeyed = hashlib.blake2b(f"{key_id}\0{user_id}\0{opening}".encode(), digest_size=16)
+    ours = derived_session_id(key_id, user_id, messages, "secret-one")
+    assert ours == derived_session_id(key_id, user_id, messages, "secret-one")
+    assert ours != f"auto-{unkeyed.hexdigest()}"
+    assert ours != derived_session_id(key_id, user_id, messages, "secret-two")

@@ -23,7 +23,7 @@ from app.feedback.service import FeedbackLimits, accept_feedback
 from app.gateway.joins import request_of_answer, request_of_tool_call
 from app.gateway.service import Served, request_key
 from app.gateway.sink import EventSink
-from app.gateway.toolcalls import is_edit_tool
+from app.signals.tools import is_edit_tool
 
 CONTINUE_EVENTS = Counter(
     "rtrl_continue_events_total",

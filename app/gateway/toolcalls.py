@@ -12,13 +12,9 @@ from jsonschema.protocols import Validator
 
 from app.gateway.schemas import ToolSpec
 from app.signals.text import content_text
+from app.signals.tools import is_edit_tool
 
 # Tool names that write to the user's files, as IDE agents name them.
-_EDIT_TOOL = re.compile(
-    r"(edit|write|patch|replace|insert|apply|create_file|new_file|update_file|modify|rename|"
-    r"delete_file)",
-    re.IGNORECASE,
-)
 # `[ \t]`, not `\s`: `^\s*` would scan every newline after each line start (quadratic).
 _CODE_FENCE = re.compile(r"^[ \t]*(```|~~~)", re.MULTILINE)
 _EDIT_REQUEST = re.compile(
@@ -89,11 +85,6 @@ _CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 def unread_tool_calls(text: str) -> int:
     """Tool calls the model wrote that the parser could not read: still in the text."""
     return sum(text.count(marker) for marker in _CALL_MARKERS)
-
-
-def is_edit_tool(name: object) -> bool:
-    """Whether a tool's name says it writes to the user's files."""
-    return _EDIT_TOOL.search(str(name or "")) is not None
 
 
 def has_code_block(text: str) -> bool:

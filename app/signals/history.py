@@ -26,6 +26,7 @@ from typing import Any, Literal
 from app.events import EditAccepted, EditRejected, FollowupMessage
 from app.signals.followup import is_dissatisfied
 from app.signals.text import content_text
+from app.signals.tools import is_edit_tool
 
 HistoryFeedback = EditAccepted | EditRejected | FollowupMessage
 
@@ -69,6 +70,11 @@ RULES: tuple[Rule, ...] = (
 """Markers in the result of one of the answer's calls, first match wins (opencode's strings
 are Kilo's too)."""
 
+EDIT_ERROR = Rule("any", "edit_error", "unapplicable", "")
+"""The fallback for a client whose words no rule knows: the result of an edit tool's call
+(named as the gateway counts edits: `app.signals.tools`) that reports an error was not
+applied. Read only where no rule matched."""
+
 USER_RULES: tuple[Rule, ...] = (
     Rule("claude-code", "interrupted", "interrupted", "[Request interrupted by user"),
     Rule("codex", "turn_aborted", "interrupted", "<turn_aborted>"),
@@ -98,14 +104,22 @@ class Evidence:
 def distill(answer: dict[str, Any], after: Sequence[dict[str, Any]]) -> Evidence:
     """The evidence on `answer` (the served answer as the client re-sent it) in the messages
     that follow it in the next request."""
-    call_ids = {call.get("id") for call in answer.get("tool_calls") or () if isinstance(call, dict)}
+    names = {
+        call.get("id"): (call.get("function") or {}).get("name")
+        for call in answer.get("tool_calls") or ()
+        if isinstance(call, dict)
+    }
+    call_ids = set(names)
     evidence = Evidence()
     for message in after:
         role, text = message.get("role"), content_text(message.get("content"))
         if role == "tool" and message.get("tool_call_id") in call_ids:
+            call_id = message["tool_call_id"]
             rule = _first(RULES, text)
+            if rule is None and is_edit_tool(names[call_id]) and _is_error(text):
+                rule = EDIT_ERROR
             if rule is not None:
-                evidence.found.append(Found(rule.verdict, rule.source, message["tool_call_id"]))
+                evidence.found.append(Found(rule.verdict, rule.source, call_id))
         elif role == "user":
             rule = _first(USER_RULES, text)
             if rule is not None:
@@ -117,6 +131,13 @@ def distill(answer: dict[str, Any], after: Sequence[dict[str, Any]]) -> Evidence
     return evidence
 
 
+def _is_error(text: str) -> bool:
+    """A tool result that reports a failure: it opens with "error" (any case, e.g. "Error:",
+    "error:", "<tool_use_error>"), or is a JSON object with an "error" field."""
+    head = text.lstrip()[:32].lower()
+    return head.startswith(("error", "<tool_use_error>", '{"error"'))
+
+
 def _first(rules: Sequence[Rule], text: str) -> Rule | None:
     return next((rule for rule in rules if rule.marker in text), None)
 
@@ -126,7 +147,8 @@ def feedback_of(
 ) -> list[HistoryFeedback]:
     """The feedback events the evidence amounts to, on the served request `request_id`, as
     the workers read a client's: an applied edit is accepted, a refused or unapplicable one
-    rejected (any acceptance wins, as for a multi-hunk edit), an interrupt is a dissatisfied
+    rejected, as is a call whose own result says the user aborted it (any acceptance wins, as
+    for a multi-hunk edit), an interrupt is a dissatisfied
     follow-up, and the user's next message is the follow-up (classified here when the run is
     private: its text is not kept). Each names its rule in `source`."""
     ids: dict[str, Any] = {"request_id": request_id, "session_id": session_id}
@@ -134,9 +156,18 @@ def feedback_of(
     events: list[HistoryFeedback] = []
     for verdicts, kind in (
         ({"accepted"}, EditAccepted),
-        ({"rejected", "unapplicable"}, EditRejected),
+        ({"rejected", "unapplicable", "interrupted"}, EditRejected),
     ):
-        found = next((f for f in evidence.found if f.verdict in verdicts), None)
+        found = next(
+            (
+                f
+                for f in evidence.found
+                # An interrupt in a call's own result (Codex's "aborted by user" at the
+                # approval prompt) means the call was not carried out: refused, as well.
+                if f.verdict in verdicts and (f.verdict != "interrupted" or f.call_id)
+            ),
+            None,
+        )
         if found is not None:
             events.append(kind(**ids, source=found.source))
     interrupt = next((f for f in evidence.found if f.verdict == "interrupted"), None)

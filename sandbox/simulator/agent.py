@@ -14,6 +14,7 @@ thumbs up or down on the final answer. A stock client reports nothing.
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +28,8 @@ from sandbox.simulator.continue_events import tool_usage
 from sandbox.simulator.gateway import GatewayClient
 from sandbox.simulator.population import Developer
 from sandbox.simulator.reactions import Feedback, Reaction, feedback_events, react
-from sandbox.simulator.report import AgentRun, ServedRequest, SimulationReport
+from sandbox.simulator.renderings import RENDERINGS, rendered_result
+from sandbox.simulator.report import AgentRun, EditOutcome, ServedRequest, SimulationReport
 from sandbox.simulator.session import DeveloperSession
 from sandbox.simulator.toolcalls import IdeToolCall, read_tool_call, unread_tool_calls
 from sandbox.tasks import format_response
@@ -43,6 +45,8 @@ class ExecutedCall:
     """The tool message the model reads next turn."""
     succeeded: bool
     """The call ran, and an edit changed the file."""
+    outcome: EditOutcome | None = None
+    """A stock agent's edit call: applied, refused at the permission prompt, or unapplicable."""
 
 
 def execute(
@@ -79,6 +83,16 @@ class RunTrace:
     calls: int = 0
     clarifying: bool = False
     """The run's first answer asked a question instead of acting."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation as the IDE last sent it, and the run's last answer."""
+    outcomes: dict[str, list[EditOutcome]] = field(default_factory=dict)
+    """A stock agent's edit calls, by turn: what became of each (ground truth)."""
+
+    def outcome(self, request_id: str) -> EditOutcome | None:
+        """What became of the turn's edit: applied wins, then refused, then unapplicable."""
+        order: tuple[EditOutcome, ...] = ("applied", "refused", "unapplicable")
+        seen = self.outcomes.get(request_id, [])
+        return next((outcome for outcome in order if outcome in seen), None)
 
     @property
     def judged(self) -> list[str]:
@@ -150,7 +164,13 @@ class AgentSession(DeveloperSession):
             if self.ide.mode == "continue"
             else ([], set())
         )
+        # A stock agent's conversation goes on after the run: the developer answers its final
+        # answer, or stops it at the turn limit with the last calls' results sent.
+        told_next = self.ide.rendered is not None and (
+            bool(trace.final_text) or len(trace.turns) == MAX_TURNS
+        )
         for request_id in trace.turns:
+            final = told_next and bool(trace.final_text) and request_id == trace.turns[-1]
             self.report.record_served(
                 ServedRequest(
                     request_id=request_id,
@@ -163,10 +183,14 @@ class AgentSession(DeveloperSession):
                     accepted=reaction.accepted if request_id in trace.judged else None,
                     verdict_reported=self.ide.mode == "ideal" or request_id in told,
                     malformed_calls=trace.malformed[request_id],
+                    edit_outcome=trace.outcome(request_id),
+                    followup_dissatisfied=(reaction.accepted is False) if final else None,
                 )
             )
         answered_at = time.monotonic()
         self.last_request_id = trace.turns[-1]
+        if told_next and reaction.followup is not None:
+            await self._tell_next(task, index, trace, reaction.followup)
         if self.ide.mode == "ideal":
             await self.report_feedback(ideal_feedback(trace, reaction), answered_at)
         elif self.ide.mode == "continue":
@@ -193,7 +217,8 @@ class AgentSession(DeveloperSession):
     async def _agent_loop(self, task: AgentTask, index: int, workspace: Workspace) -> RunTrace:
         """Ask, run the calls, send their results back, until a final answer or `MAX_TURNS`."""
         trace = RunTrace(self.session_id)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": task.request}]
+        messages = trace.messages
+        messages.append({"role": "user", "content": task.request})
         for turn in range(MAX_TURNS):
             answer = await self.gateway.ask(
                 self.developer,
@@ -222,9 +247,14 @@ class AgentSession(DeveloperSession):
                 trace.clarifying = turn == 0 and not unread and question
                 break
             edits_before = workspace.edits
+            refusal: ExecutedCall | None = None
             for call in tool_calls:
-                done = execute(workspace, task, request_id, call)
-                trace.executed.append(done)
+                # A stock agent stops at a refusal: the calls after it are not run.
+                done = refusal or self._at_the_ide(workspace, task, request_id, call, trace)
+                if done.outcome == "refused":
+                    refusal = done
+                else:
+                    trace.executed.append(done)
                 messages.append(
                     {"role": "tool", "tool_call_id": call.call_id, "content": done.output}
                 )
@@ -232,7 +262,75 @@ class AgentSession(DeveloperSession):
                 trace.applied.append(request_id)
             elif any(call.edits for call in tool_calls):
                 trace.not_applied.append(request_id)
+            if refusal is not None:
+                messages.append({"role": "user", "content": self._after_refusal(task, workspace)})
         return trace
+
+    async def _tell_next(self, task: AgentTask, index: int, trace: RunTrace, words: str) -> None:
+        """A stock agent's user answers its final answer (or stops it at the turn limit) in
+        the same conversation: their next message, after the last calls' results if any,
+        served as the next turn (which nobody judges: the task ends there)."""
+        messages = [*trace.messages, {"role": "user", "content": words}]
+        request_id = f"{self.session_id}.{index}.next"
+        answer = await self.gateway.ask(
+            self.developer, self.session_id, request_id, messages, tools=TOOLS
+        )
+        if answer is None:
+            return
+        self.last_request_id = answer.request_id
+        self.report.record_served(
+            ServedRequest(
+                request_id=answer.request_id,
+                session_id=answer.session_id,
+                user_id=self.developer.user_id,
+                task_id=task.task_id,
+                checkpoint=answer.checkpoint,
+                latency_s=answer.latency_s,
+                proposed_edit=False,
+                accepted=None,
+                verdict_reported=False,
+            )
+        )
+
+    def _at_the_ide(
+        self,
+        workspace: Workspace,
+        task: AgentTask,
+        request_id: str,
+        call: IdeToolCall,
+        trace: RunTrace,
+    ) -> ExecutedCall:
+        """Run `call` as the IDE does. A stock agent asks the developer before an edit that
+        would apply (they approve one after which the file passes more readily), and words
+        the result as that client does; the edit's fate is kept as ground truth."""
+        client = self.ide.rendered
+        if client is None or not (call.edits and call.runnable):
+            return execute(workspace, task, request_id, call)
+        trial = copy.deepcopy(workspace)
+        would = execute(trial, task, request_id, call)
+        outcome: EditOutcome = "unapplicable"
+        if would.succeeded:
+            outcome = "applied" if self.ide.approves(trial.solves(task)) else "refused"
+        done = execute(workspace, task, request_id, call) if outcome != "refused" else would
+        arguments = call.parsed or {}
+        output = rendered_result(
+            client,
+            outcome,
+            path=str(arguments.get("path", "")),
+            old=str(arguments.get("old_string", "")),
+            tool_output=done.output,
+        )
+        trace.outcomes.setdefault(request_id, []).append(outcome)
+        return replace(done, output=output, succeeded=outcome == "applied", outcome=outcome)
+
+    def _after_refusal(self, task: AgentTask, workspace: Workspace) -> str:
+        """The user message a stock agent sends after a refusal: its marker, if it writes one,
+        then the developer's words on the file as it stands."""
+        shown = format_response(workspace.final_code(task))
+        words = react(task.task, shown, 0.0, self.developer, self.rng).followup or ""
+        client = self.ide.rendered
+        marker = RENDERINGS[client].after_refusal if client is not None else None
+        return f"{marker}\n{words}" if marker else words
 
     def _continue_tool_usage(
         self, executed: Sequence[ExecutedCall], reaction: Reaction

@@ -17,7 +17,7 @@ from sqlalchemy import Engine, Row, func, select
 
 from app.db import session_scope
 from app.models import FeedbackEventRow, Reward, Sample
-from sandbox.simulator.report import RewardTally, SimulationReport
+from sandbox.simulator.report import EvidenceTally, RewardTally, SimulationReport
 
 
 @dataclass
@@ -132,3 +132,71 @@ def read_final_books(
         time.sleep(poll_s)
         books = read_books(engine, reports)
     return books
+
+
+HISTORY_SOURCES = "history:%"
+
+
+def read_evidence(engine: Engine, reports: list[SimulationReport]) -> EvidenceTally:
+    """What the gateway read from the conversations of the reports' stock-agent runs, against
+    the simulator's ground truth: each `history:*` feedback event on a served turn, agreeing
+    when an accept names an applied edit, a reject a refused or unapplicable one, and a
+    follow-up the developer's satisfaction as the turn's final reward saw it."""
+    served = {r.request_id: r for report in reports for r in report.served}
+    with session_scope(engine) as session:
+        events = session.execute(
+            select(
+                FeedbackEventRow.request_id,
+                FeedbackEventRow.kind,
+                FeedbackEventRow.source,
+                FeedbackEventRow.dissatisfied,
+            ).where(
+                FeedbackEventRow.request_id.in_(list(served)),
+                FeedbackEventRow.source.like(HISTORY_SOURCES),
+            )
+        ).all()
+        components: dict[str, dict[str, Any] | None] = dict(
+            session.execute(
+                select(Sample.request_id, Reward.components)
+                .join(Reward, Reward.sample_id == Sample.id)
+                .where(Sample.request_id.in_(list(served)))
+            ).all()
+        )
+    by_source: dict[str, list[int]] = {}
+    verdicts: set[str] = set()
+    followups: set[str] = set()
+    for event in events:
+        truth = served[event.request_id]
+        kind = str(getattr(event.kind, "value", event.kind))
+        if kind == "edit_accepted":
+            agree = truth.edit_outcome == "applied"
+            verdicts.add(event.request_id)
+        elif kind == "edit_rejected":
+            agree = truth.edit_outcome in ("refused", "unapplicable")
+            verdicts.add(event.request_id)
+        elif kind == "followup_message":
+            seen = event.dissatisfied
+            if seen is None:
+                seen = (components.get(event.request_id) or {}).get("dissatisfied")
+            # A final answer's follow-up says what the developer made of the run; one on a
+            # turn whose edit they refused (an interrupt) is their refusal.
+            expected = truth.followup_dissatisfied
+            if expected is None and truth.edit_outcome == "refused":
+                expected = True
+            agree = expected is not None and seen == expected
+            if truth.followup_dissatisfied is not None:
+                followups.add(event.request_id)
+        else:
+            continue
+        tally = by_source.setdefault(event.source, [0, 0])
+        tally[0] += 1
+        tally[1] += agree
+    edit_turns = [r for r in served.values() if r.edit_outcome is not None]
+    answers = [r for r in served.values() if r.followup_dissatisfied is not None]
+    return EvidenceTally(
+        by_source={source: (read, agree) for source, (read, agree) in by_source.items()},
+        edit_turns=len(edit_turns),
+        edit_turns_read=sum(r.request_id in verdicts for r in edit_turns),
+        final_answers=len(answers),
+        final_answers_read=sum(r.request_id in followups for r in answers),
+    )

@@ -9,6 +9,11 @@
 - continue (Continue with its data destination pointed at rtrl): the static `X-User-Id`
   only, and Continue's own events (`toolUsage`, `chatFeedback`) on `/v1/adapters/continue`,
   one per request and never retried (`sandbox.simulator.continue_events`).
+- claude-code, codex, opencode, cline (agent sessions only): the stock agent as it runs, no
+  feedback at all. An edit call waits for the developer at a permission prompt; what became of
+  it reaches the gateway only in the client's own words in the next request
+  (`sandbox.simulator.renderings`), and the verdict on a final answer only as the developer's
+  next message in the same conversation.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from __future__ import annotations
 import random
 import uuid
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from sandbox.simulator.population import Developer
+from sandbox.simulator.renderings import RENDERED_CLIENTS, RenderedClient
 
-ClientMode = Literal["ideal", "stock", "continue"]
-CLIENT_MODES: tuple[ClientMode, ...] = get_args(ClientMode)
+ClientMode = Literal["ideal", "stock", "continue", RenderedClient]
+CLIENT_MODES: tuple[ClientMode, ...] = ("ideal", "stock", "continue", *RENDERED_CLIENTS)
 IDE_CLOSED_BEFORE_S = 600.0
 """The first survival window a developer who closes the IDE early never reaches (10 min)."""
 ContinueSchema = Literal["0.1.0", "0.2.0"]
@@ -47,6 +53,11 @@ class ClientConfig:
     thumbs_up_share: float = 0.2
     """continue: chance a satisfied developer gives the run's final answer a thumbs up (a
     dissatisfied one always gives a thumbs down)."""
+    approves_passing: float = 0.95
+    """claude-code, codex, opencode, cline: chance the developer approves, at the permission
+    prompt, an edit after which the file passes the task's checks."""
+    approves_failing: float = 0.3
+    """The same for an edit after which it does not (a step on the way, or let through)."""
 
     def __post_init__(self) -> None:
         if self.mode not in CLIENT_MODES:
@@ -57,6 +68,8 @@ class ClientConfig:
             "nocode_share": self.nocode_share,
             "old_schema_share": self.old_schema_share,
             "thumbs_up_share": self.thumbs_up_share,
+            "approves_passing": self.approves_passing,
+            "approves_failing": self.approves_failing,
         }
         for name, share in shares.items():
             if not 0.0 <= share <= 1.0:
@@ -92,6 +105,18 @@ class Ide:
 
     def gives_thumbs_up(self) -> bool:
         return self.rng.random() < self.config.thumbs_up_share
+
+    @property
+    def rendered(self) -> RenderedClient | None:
+        """The stock agent this IDE plays, if it plays one."""
+        mode = self.config.mode
+        return mode if mode in RENDERED_CLIENTS else None
+
+    def approves(self, passes: bool) -> bool:
+        """The developer's answer at the permission prompt for an edit after which the file
+        passes the task's checks (`passes`) or not."""
+        share = self.config.approves_passing if passes else self.config.approves_failing
+        return self.rng.random() < share
 
     def new_chat_session(self) -> str:
         """The id Continue gives a new chat (each task starts one)."""

@@ -8,8 +8,9 @@ import typer
 
 from app.config import get_settings
 from app.db import make_engine
-from sandbox.simulator.books import read_final_books
+from sandbox.simulator.books import read_evidence, read_final_books
 from sandbox.simulator.clients import CLIENT_MODES, ClientConfig
+from sandbox.simulator.renderings import RENDERED_CLIENTS
 from sandbox.simulator.report import SimulationReport
 from sandbox.simulator.run import Workload, run_simulation
 from sandbox.tasks import Split
@@ -60,7 +61,9 @@ def simulate_command(
         "ideal",
         "--client",
         help="The IDE client: ideal (session ids, every signal), stock (no session header,"
-        " no feedback) or continue (Continue's own events on /v1/adapters/continue).",
+        " no feedback), continue (Continue's own events on /v1/adapters/continue), or, with"
+        " --agent, a stock agent played in its own words, no feedback: claude-code, codex,"
+        " opencode or cline.",
     ),
     ide_closes: float = typer.Option(
         0.0,
@@ -79,7 +82,7 @@ def simulate_command(
     ),
 ) -> None:
     """Run synthetic developers against the gateway and print what each checkpoint earned."""
-    tasks_split, ide = checked_split(split), checked_client(client, ide_closes)
+    tasks_split, ide = checked_split(split), checked_client(client, ide_closes, agent=agent)
     settings = get_settings()
     url = gateway or f"http://{settings.gateway_host}:{settings.gateway_port}"
     typer.echo(f"simulating {users} developers against {url} ...")
@@ -111,11 +114,16 @@ def checked_split(split: str) -> Split:
     return split
 
 
-def checked_client(client: str, ide_closes: float) -> ClientConfig:
+def checked_client(client: str, ide_closes: float, *, agent: bool = True) -> ClientConfig:
     """The IDE client `--client` and `--ide-closes` describe, or the usage error that names
     the option at fault."""
     if client not in CLIENT_MODES:
         raise typer.BadParameter(f"must be {', '.join(CLIENT_MODES)}", param_hint="--client")
+    if client in RENDERED_CLIENTS and not agent:
+        raise typer.BadParameter(
+            f"{client} is an agent: it needs --agent (edits through tool calls)",
+            param_hint="--client",
+        )
     if ide_closes and client != "ideal":
         raise typer.BadParameter(
             "only the ideal client reports survival windows", param_hint="--ide-closes"
@@ -137,5 +145,7 @@ def await_final_rewards(report: SimulationReport, database_url: str, timeout: fl
     engine = make_engine(database_url)
     try:
         report.rewards = read_final_books(engine, [report], timeout).rewards
+        if report.client in RENDERED_CLIENTS:
+            report.evidence = read_evidence(engine, [report])
     finally:
         engine.dispose()

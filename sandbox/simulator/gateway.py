@@ -15,6 +15,7 @@ from openai import AsyncOpenAI
 from sandbox.simulator.clients import ClientMode
 from sandbox.simulator.population import Developer
 from sandbox.simulator.reactions import Feedback
+from sandbox.simulator.renderings import RENDERINGS
 from sandbox.simulator.report import SimulationReport
 
 RETRYABLE_STATUSES = (429, 503)
@@ -137,6 +138,9 @@ class GatewayClient:
     def _chat_headers(
         self, developer: Developer, session_id: str, request_id: str
     ) -> dict[str, str]:
+        if self.client in RENDERINGS:
+            header = RENDERINGS[self.client].session_header
+            return {"X-User-Id": developer.user_id} | ({header: session_id} if header else {})
         if self.client != "ideal":
             return {"X-User-Id": developer.user_id}
         headers = {

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 from sandbox.simulator.clients import ClientMode
+
+EditOutcome = Literal["applied", "refused", "unapplicable"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,11 @@ class ServedRequest:
     """Whether the client told the gateway the developer's verdict (stock clients never do)."""
     malformed_calls: int = 0
     """Calls of this turn the IDE could not run (see `sandbox.simulator.toolcalls`)."""
+    edit_outcome: EditOutcome | None = None
+    """A stock agent's edit turn: what became of its edit calls, as the developer and the
+    file decided (ground truth; applied wins over refused over unapplicable)."""
+    followup_dissatisfied: bool | None = None
+    """A stock agent's final answer: whether the developer's next message complained."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,30 @@ class RewardTally:
     def kept_share(self) -> float:
         """Mean kept share over the rewarded edits."""
         return self.kept_total / self.rewarded_edits if self.rewarded_edits else 0.0
+
+
+@dataclass(frozen=True)
+class EvidenceTally:
+    """The verdicts the gateway read from stock agents' conversations (`history:*` feedback)
+    against what the simulated developers and files decided."""
+
+    by_source: dict[str, tuple[int, int]]
+    """Per rule (`history:<client>:<rule>`): (events read, events that agree with the truth)."""
+    edit_turns: int
+    """Turns whose edit's fate is known to the simulator (applied, refused, unapplicable)."""
+    edit_turns_read: int
+    """Of those, the ones the gateway read an accept or reject for."""
+    final_answers: int
+    """Final answers the developer answered in the same conversation."""
+    final_answers_read: int
+
+    def lines(self) -> list[str]:
+        recall = f"edit verdicts read on {self.edit_turns_read}/{self.edit_turns} edit turns"
+        answers = f"follow-ups read on {self.final_answers_read}/{self.final_answers} answers"
+        lines = [f"evidence from the conversation: {recall}, {answers}"]
+        for source, (read, agree) in sorted(self.by_source.items()):
+            lines.append(f"  {source}: {agree}/{read} agree ({agree / read:.0%})")
+        return lines
 
 
 @dataclass(frozen=True)
@@ -138,6 +170,8 @@ class SimulationReport:
     """rtrl feedback events the gateway made of the Continue events it mapped."""
     rewards: RewardTally | None = None
     """Read from Postgres once the run's rewards are final; None when not read."""
+    evidence: EvidenceTally | None = None
+    """Read with the rewards, for a stock agent's run; None when not read."""
     served: list[ServedRequest] = field(default_factory=list)
     runs: list[AgentRun] = field(default_factory=list)
     """Agent runs, in agent mode."""
@@ -222,6 +256,8 @@ class SimulationReport:
                 f" reward ({tally.rewarded_share:.0%}); kept {tally.kept_share:.2f} over"
                 f" {tally.rewarded_edits} rewarded edits"
             )
+        if self.evidence is not None:
+            lines += self.evidence.lines()
         if self.errors:
             causes = ", ".join(f"{cause} x{n}" for cause, n in self.errors.most_common())
             lines.append(f"errors: {causes}")

@@ -12,10 +12,10 @@ from app.gateway.schemas import CHECKED_SCHEMA_BYTES, ChatRequest, ToolSpec
 from app.gateway.toolcalls import (
     ToolSchemas,
     asks_clarifying_question,
-    is_edit_tool,
     looks_like_edit_request,
     proposes_edit,
 )
+from app.signals.tools import is_edit_tool
 
 TOOLS = [
     ToolSpec.model_validate(

@@ -124,3 +124,40 @@ def test_an_answer_with_one_call_applied_and_one_refused_sends_both_verdicts() -
     ]
     events = feedback_of(distill(answer, after), "r1", "s1", private=False, at=datetime.now(UTC))
     assert {event.kind for event in events} == {"edit_accepted", "edit_rejected"}
+
+
+def test_a_call_the_user_aborted_at_codexs_approval_prompt_is_refused_and_a_complaint() -> None:
+    aborted = [
+        result("Wall time: 11.6 seconds\naborted by user"),
+        {"role": "user", "content": "<turn_aborted>\nThe user interrupted the previous turn."},
+    ]
+    events = feedback_of(distill(ANSWER, aborted), "r1", "s1", private=False, at=datetime.now(UTC))
+    assert sorted((event.kind, event.source) for event in events) == [
+        ("edit_rejected", "history:codex:aborted"),
+        ("followup_message", "history:codex:aborted"),
+    ]
+    # An interrupt in the user's message alone names no call: a complaint, no refusal.
+    alone = feedback_of(
+        distill(ANSWER, aborted[1:]), "r1", "s1", private=False, at=datetime.now(UTC)
+    )
+    assert [event.kind for event in alone] == ["followup_message"]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "read"),
+    [
+        ("edit", "Error: oldString not found in content", True),
+        ("apply_patch", "error: patch does not apply", True),
+        ("replace_in_file", '{"error": "The SEARCH block does not match"}', True),
+        ("read_file", "Error: no such file", False),  # a read that failed is no edit's fate
+        ("edit", "Edited calc.py; no error", False),
+    ],
+)
+def test_an_edit_call_whose_result_reports_an_error_is_unapplicable_for_any_client(
+    name: str, text: str, read: bool
+) -> None:
+    answer = {**ANSWER, "tool_calls": [{"id": "call-0-r1", "function": {"name": name}}]}
+    found = distill(answer, [result(text)]).found
+    assert [(f.verdict, f.source) for f in found] == (
+        [("unapplicable", "history:any:edit_error")] if read else []
+    )

@@ -297,3 +297,53 @@ def test_sessions_still_open_at_the_time_limit_are_cut() -> None:
     report = simulate(gone, "key", users=2, tasks_per_session=2, time_scale=1, max_wall_s=1)
     assert report.sessions_started == report.sessions_cut == 2
     assert report.requests_sent == 2
+
+
+@pytest.mark.parametrize("client", ["claude-code", "opencode"])
+def test_a_stock_agents_verdicts_reach_the_gateway_only_in_its_own_words(
+    gateway_url: str, ide_key: str, read_topic: ReadTopic, client: str
+) -> None:
+    report = simulate(
+        gateway_url,
+        ide_key,
+        users=4,
+        sessions_per_user=1,
+        tasks_per_session=2,
+        time_scale=0.001,
+        seed=SEED,
+        privacy_share=0.0,
+        concurrency=4,
+        agent=True,
+        client=ClientConfig(mode=client),  # type: ignore[arg-type]
+    )
+
+    assert report.errors == {}
+    assert report.feedback_batches_sent == report.continue_events_sent == 0
+    served = {s.request_id: s for s in report.served}
+    edits = {r: s.edit_outcome for r, s in served.items() if s.edit_outcome is not None}
+    answers = {r for r, s in served.items() if s.followup_dissatisfied is not None}
+    assert edits and answers, "no edit call, or no final answer, in eight runs"
+    feedback = read_topic(
+        FEEDBACK_TOPIC,
+        until=lambda events: (edits.keys() | answers) <= {e["request_id"] for e in events},
+    )
+    read: dict[str, set[str]] = defaultdict(set)
+    for event in feedback:
+        if event["request_id"] in served:
+            assert event["source"].startswith(f"history:{client}:") or event["source"] in (
+                "history:any:next_message",
+                "history:any:edit_error",
+            ), event
+            read[event["request_id"]].add(event["kind"])
+    # What the developer and the file decided, read back from the next request: an applied
+    # edit accepted, a refused or unapplicable one rejected (opencode passes the tool's own
+    # error through: the fallback for edit tools that report an error reads it).
+    for request_id, outcome in edits.items():
+        if outcome == "applied":
+            assert "edit_accepted" in read[request_id], (request_id, read[request_id])
+        else:
+            assert "edit_rejected" in read[request_id], (request_id, outcome, read[request_id])
+            assert "edit_accepted" not in read[request_id]
+    # The developer's next message in the same conversation follows up every final answer.
+    unread = {request_id: read[request_id] for request_id in answers}
+    assert all("followup_message" in kinds for kinds in unread.values()), unread

@@ -1,0 +1,16 @@
+"""What a tool's name says it does, read from the names clients give their tools."""
+
+from __future__ import annotations
+
+import re
+
+_EDIT_TOOL = re.compile(
+    r"(edit|write|patch|replace|insert|apply|create_file|new_file|update_file|modify|rename|"
+    r"delete_file)",
+    re.IGNORECASE,
+)
+
+
+def is_edit_tool(name: object) -> bool:
+    """Whether a tool's name says it writes to the user's files."""
+    return _EDIT_TOOL.search(str(name or "")) is not None

@@ -304,8 +304,12 @@ class AgentSession(DeveloperSession):
         would apply (they approve one after which the file passes more readily), and words
         the result as that client does; the edit's fate is kept as ground truth."""
         client = self.ide.rendered
-        if client is None or not (call.edits and call.runnable):
+        if client is None or not call.edits:
             return execute(workspace, task, request_id, call)
+        if not call.runnable:
+            # The client refuses a malformed edit with the tool's error: not applied.
+            trace.outcomes.setdefault(request_id, []).append("unapplicable")
+            return replace(execute(workspace, task, request_id, call), outcome="unapplicable")
         trial = copy.deepcopy(workspace)
         would = execute(trial, task, request_id, call)
         outcome: EditOutcome = "unapplicable"

@@ -47,6 +47,8 @@ class RewardTally:
     """Of those, the ones whose answer proposed an edit."""
     kept_total: float
     """The kept share of the rewarded edits, summed."""
+    final_edits: int = 0
+    """Final rewards (with a value or not) whose answer proposed an edit."""
 
     @property
     def rewarded_share(self) -> float:
@@ -253,8 +255,8 @@ class SimulationReport:
             tally = self.rewards
             lines.append(
                 f"rewards: {tally.finalized}/{tally.served} final, {tally.rewarded} with a"
-                f" reward ({tally.rewarded_share:.0%}); kept {tally.kept_share:.2f} over"
-                f" {tally.rewarded_edits} rewarded edits"
+                f" reward ({tally.rewarded_share:.0%}); {tally.rewarded_edits}/{tally.final_edits}"
+                f" edits with a reward, kept {tally.kept_share:.2f} over them"
             )
         if self.evidence is not None:
             lines += self.evidence.lines()

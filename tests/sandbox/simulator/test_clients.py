@@ -38,7 +38,13 @@ def test_the_default_client_is_the_ideal_one_and_nobody_closes_the_ide_early() -
 
 
 @pytest.mark.parametrize(
-    "knobs", [{"mode": "cline"}, {"ide_closes_share": 1.5}, {"unlooked_edit_share": -0.1}]
+    "knobs",
+    [
+        {"mode": "zed"},
+        {"ide_closes_share": 1.5},
+        {"unlooked_edit_share": -0.1},
+        {"approves_failing": 2},
+    ],
 )
 def test_a_client_config_with_impossible_knobs_is_refused(knobs: dict[str, object]) -> None:
     with pytest.raises(ValueError):

@@ -39,7 +39,8 @@ def test_the_client_is_chosen_on_the_command_line_and_named_in_the_report() -> N
 @pytest.mark.parametrize(
     ("arguments", "option"),
     [
-        (["--client", "cline"], "--client"),
+        (["--client", "zed"], "--client"),
+        (["--client", "cline"], "--client"),  # a stock agent, without --agent
         (["--client", "stock", "--ide-closes", "0.3"], "--ide-closes"),
     ],
 )

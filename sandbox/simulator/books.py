@@ -13,11 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, Row, func, select
+from sqlalchemy import Engine, Row, func, or_, select
 
 from app.db import session_scope
 from app.models import FeedbackEventRow, Reward, Sample
 from sandbox.simulator.report import EvidenceTally, RewardTally, SimulationReport
+
+HISTORY_SOURCES = "history:%"
+"""The feedback the gateway read from conversations (`app.signals.history`)."""
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Books:
     feedback_accepted: int
     """Feedback events the gateway accepted: on `/v1/feedback`, and made of client events."""
     feedback_stored: int
+    """Of those, the ones stored (the gateway's own reading of conversations left out)."""
     rewards: RewardTally
     """The answered requests' final rewards."""
 
@@ -73,7 +77,14 @@ def read_books(engine: Engine, reports: list[SimulationReport]) -> Books:
             session.scalar(
                 select(func.count())
                 .select_from(FeedbackEventRow)
-                .where(FeedbackEventRow.session_id.in_(sessions))
+                .where(
+                    FeedbackEventRow.session_id.in_(sessions),
+                    # What the clients sent, not what the gateway read from the conversations.
+                    or_(
+                        FeedbackEventRow.source.is_(None),
+                        FeedbackEventRow.source.not_like(HISTORY_SOURCES),
+                    ),
+                )
             )
             or 0
         )
@@ -133,9 +144,6 @@ def read_final_books(
         time.sleep(poll_s)
         books = read_books(engine, reports)
     return books
-
-
-HISTORY_SOURCES = "history:%"
 
 
 def read_evidence(engine: Engine, reports: list[SimulationReport]) -> EvidenceTally:

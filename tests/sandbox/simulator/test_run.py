@@ -18,6 +18,25 @@ SEED = 2
 ReadTopic = Callable[..., list[dict[str, Any]]]
 
 
+def agent_simulation(
+    gateway_url: str, key: str, client: ClientConfig, *, users: int = 3
+) -> SimulationReport:
+    """Agent sessions of patient developers, two tasks each, nobody private."""
+    return simulate(
+        gateway_url,
+        key,
+        users=users,
+        sessions_per_user=1,
+        tasks_per_session=2,
+        time_scale=0.001,
+        seed=SEED,
+        privacy_share=0.0,
+        concurrency=4,
+        agent=True,
+        client=client,
+    )
+
+
 def test_a_short_simulation_is_served_and_every_signal_reaches_kafka(
     gateway_url: str, ide_key: str, read_topic: ReadTopic
 ) -> None:
@@ -87,18 +106,7 @@ def test_a_short_simulation_is_served_and_every_signal_reaches_kafka(
 def test_an_agent_simulation_runs_each_task_as_linked_turns_and_judges_the_edit_turns(
     gateway_url: str, ide_key: str, read_topic: ReadTopic
 ) -> None:
-    report = simulate(
-        gateway_url,
-        ide_key,
-        users=3,
-        sessions_per_user=1,
-        tasks_per_session=2,
-        time_scale=0.001,
-        seed=SEED,
-        privacy_share=0.0,
-        concurrency=4,
-        agent=True,
-    )
+    report = agent_simulation(gateway_url, ide_key, ClientConfig())
 
     assert report.errors == {}
     assert len(report.runs) == 6
@@ -171,19 +179,7 @@ def test_an_ideal_client_closed_early_never_reports_the_10_and_15_minute_windows
 def test_a_stock_client_names_no_session_and_reports_nothing(
     gateway_url: str, ide_key: str, read_topic: ReadTopic
 ) -> None:
-    report = simulate(
-        gateway_url,
-        ide_key,
-        users=3,
-        sessions_per_user=1,
-        tasks_per_session=2,
-        time_scale=0.001,
-        seed=SEED,
-        privacy_share=0.0,
-        concurrency=4,
-        agent=True,
-        client=ClientConfig(mode="stock"),
-    )
+    report = agent_simulation(gateway_url, ide_key, ClientConfig(mode="stock"), users=3)
 
     assert report.errors == {}
     assert report.client == "stock"
@@ -215,19 +211,7 @@ def test_a_continue_client_posts_its_own_events_and_the_gateway_joins_them(
         old_schema_share=0.0,
         thumbs_up_share=1.0,
     )
-    report = simulate(
-        gateway_url,
-        key,
-        users=3,
-        sessions_per_user=1,
-        tasks_per_session=2,
-        time_scale=0.001,
-        seed=SEED,
-        privacy_share=0.0,
-        concurrency=4,
-        agent=True,
-        client=client,
-    )
+    report = agent_simulation(gateway_url, key, client, users=3)
 
     assert report.errors == {}
     assert report.feedback_batches_sent == 0
@@ -309,19 +293,7 @@ def test_sessions_still_open_at_the_time_limit_are_cut() -> None:
 def test_a_stock_agents_verdicts_reach_the_gateway_only_in_its_own_words(
     gateway_url: str, ide_key: str, read_topic: ReadTopic, client: str
 ) -> None:
-    report = simulate(
-        gateway_url,
-        ide_key,
-        users=4,
-        sessions_per_user=1,
-        tasks_per_session=2,
-        time_scale=0.001,
-        seed=SEED,
-        privacy_share=0.0,
-        concurrency=4,
-        agent=True,
-        client=ClientConfig(mode=client),  # type: ignore[arg-type]
-    )
+    report = agent_simulation(gateway_url, ide_key, ClientConfig(mode=client), users=4)  # type: ignore[arg-type]
 
     assert report.errors == {}
     assert report.feedback_batches_sent == report.continue_events_sent == 0

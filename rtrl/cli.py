@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from app.auth.schemas import MAX_RATE_LIMIT_PER_MINUTE
-from app.config import SettingsError, get_settings, refuse_development_secrets
+from app.config import Settings, SettingsError, get_settings, refuse_development_secrets
 from app.db import make_engine, session_scope, upgrade_schema
 from app.heartbeat import heartbeat_age
 from app.kafka.admin import DEFAULT_TOPICS, ensure_topics
@@ -260,13 +260,34 @@ def serve(
         _stop_signals_interrupt()
     typer.echo(f"starting vLLM for {settings.base_model_path} on {server.url} ...")
     started = time.monotonic()
+    # From the start on, an interrupt (or a stop signal) anywhere stops the server: none may
+    # fall between two statements and leave it running.
+    stop_server = True
     try:
         server.start()
+        typer.echo(
+            f"vLLM healthy after {time.monotonic() - started:.1f} s (log: {server.log_file})"
+        )
+        _register_and_load(settings, server)
+        if detach:
+            stop_server = False
+            typer.echo(
+                f"serving in the background (pid {server.pid()}); stop with `rtrl serve --stop`"
+            )
+            return
+        typer.echo("serving; Ctrl-C stops")
+        while server.pid() is not None:
+            time.sleep(1)
+        raise ServiceError(f"vllm exited unexpectedly; see {server.log_file}")
     except KeyboardInterrupt:
         typer.echo("stopping vLLM ...")
-        server.stop()
-        raise typer.Exit(130) from None
-    typer.echo(f"vLLM healthy after {time.monotonic() - started:.1f} s (log: {server.log_file})")
+    finally:
+        if stop_server:
+            server.stop()
+
+
+def _register_and_load(settings: Settings, server: VllmServer) -> None:
+    """The base model registered as checkpoint `base`, and every live checkpoint loaded."""
     engine = make_engine(settings.database_url)
     try:
         with session_scope(engine) as session:
@@ -278,18 +299,6 @@ def serve(
         typer.echo(f"loaded on {replica}: {', '.join(names)}")
     for error in report.errors:
         typer.secho(f"warning: {error}", fg=typer.colors.YELLOW, err=True)
-    if detach:
-        typer.echo(f"serving in the background (pid {server.pid()}); stop with `rtrl serve --stop`")
-        return
-    typer.echo("serving; Ctrl-C stops")
-    try:
-        while server.pid() is not None:
-            time.sleep(1)
-        raise ServiceError(f"vllm exited unexpectedly; see {server.log_file}")
-    except KeyboardInterrupt:
-        typer.echo("stopping vLLM ...")
-    finally:
-        server.stop()
 
 
 @checkpoints_cli.command("list")
@@ -490,27 +499,25 @@ def up(
     if down:
         _print_rows(stack.down())
         return
+    # An interrupt (or a stop signal) from here on, even between two lines, stops what was
+    # started.
     try:
         rows = stack.up()
-    except BaseException as stopped:
-        interrupted = isinstance(stopped, KeyboardInterrupt)
-        typer.echo(
-            f"{'interrupted' if interrupted else 'start-up failed'}; stopping what was started"
-        )
-        stack.down()
-        raise
-    _print_rows(rows)
-    typer.echo(f"\nlogs: {get_settings().logs_dir.resolve()}")
-    if detach:
-        typer.echo("running in the background; `rtrl up --down` stops it")
-        return
-    typer.echo("Ctrl-C stops everything")
-    try:
+        _print_rows(rows)
+        typer.echo(f"\nlogs: {get_settings().logs_dir.resolve()}")
+        if detach:
+            typer.echo("running in the background; `rtrl up --down` stops it")
+            return
+        typer.echo("Ctrl-C stops everything")
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
         typer.echo("\nstopping ...")
         _print_rows(stack.down())
+    except BaseException:
+        typer.echo("start-up failed; stopping what was started")
+        stack.down()
+        raise
 
 
 def _stop_signals_interrupt() -> None:

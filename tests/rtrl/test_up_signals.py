@@ -85,6 +85,6 @@ def test_a_foreground_up_sent_a_stop_signal_stops_every_process_it_started(
     left = [name for name, pid in started.items() if alive(pid)]
     for name in left:  # not to outlive the test that found them
         os.kill(started[name], signal.SIGKILL)
-    assert left == [], f"{left} still running after {stop.name}"
+    assert left == [], f"{left} still running after {stop.name} (exit {code}):\n{said}"
     assert "stopping ..." in said, said
     assert code == 0, said

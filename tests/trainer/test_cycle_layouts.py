@@ -175,5 +175,8 @@ def test_a_cycle_trains_agent_runs_as_merged_sequences_and_counts_an_edited_hist
     )
     assert stats["drift_tokens"] == alone.tokens
     assert stats["drift_mean_abs"] == pytest.approx(alone.mean_abs, rel=0.01, abs=1e-7)
-    assert stats["drift_max_abs"] == pytest.approx(alone.max_abs, rel=0.05, abs=1e-6)
+    # The largest difference is float32 rounding (about 1e-5 here) and moves with the order of
+    # the sums (7.2e-6 against 5.6e-6 once, on a loaded machine); logprobs taken at the wrong
+    # positions would differ by tenths.
+    assert stats["drift_max_abs"] == pytest.approx(alone.max_abs, rel=0.05, abs=2e-5)
     assert stats["drift_max_abs"] < 1e-3

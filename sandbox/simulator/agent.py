@@ -250,7 +250,12 @@ class AgentSession(DeveloperSession):
             refusal: ExecutedCall | None = None
             for call in tool_calls:
                 # A stock agent stops at a refusal: the calls after it are not run.
-                done = refusal or self._at_the_ide(workspace, task, request_id, call, trace)
+                if refusal is not None:
+                    done = refusal
+                else:
+                    done = self._at_the_ide(workspace, task, request_id, call)
+                    if done.outcome is not None:
+                        trace.outcomes.setdefault(request_id, []).append(done.outcome)
                 if done.outcome == "refused":
                     refusal = done
                 else:
@@ -298,17 +303,15 @@ class AgentSession(DeveloperSession):
         task: AgentTask,
         request_id: str,
         call: IdeToolCall,
-        trace: RunTrace,
     ) -> ExecutedCall:
         """Run `call` as the IDE does. A stock agent asks the developer before an edit that
         would apply (they approve one after which the file passes more readily), and words
-        the result as that client does; the edit's fate is kept as ground truth."""
+        the result as that client does; the edit's fate (`outcome`) is the ground truth."""
         client = self.ide.rendered
         if client is None or not call.edits:
             return execute(workspace, task, request_id, call)
         if not call.runnable:
             # The client refuses a malformed edit with the tool's error: not applied.
-            trace.outcomes.setdefault(request_id, []).append("unapplicable")
             return replace(execute(workspace, task, request_id, call), outcome="unapplicable")
         trial = copy.deepcopy(workspace)
         would = execute(trial, task, request_id, call)
@@ -324,7 +327,6 @@ class AgentSession(DeveloperSession):
             old=str(arguments.get("old_string", "")),
             tool_output=done.output,
         )
-        trace.outcomes.setdefault(request_id, []).append(outcome)
         return replace(done, output=output, succeeded=outcome == "applied", outcome=outcome)
 
     def _after_refusal(self, task: AgentTask, workspace: Workspace) -> str:

@@ -14,7 +14,13 @@ JSON Schema), each either a session's first turn (no session header, as stock cl
 from 64 users of both arms) or late in a long session (one session id and one X-User-Id per
 arm, as an IDE sends them; the request is the run's seventh turn, its history holding the
 six earlier answers and their tool results, whose turns were served first, so the run lookup
-finds its parent and the token prefix lines up).
+finds its parent and the token prefix lines up). Not measured unless named: the fresh agent
+turn as Claude Code sends it to `/v1/messages` (messages-agent-fresh: text blocks, the tools
+with an `input_schema`, `x-api-key`) and as Codex sends it to `/v1/responses`
+(responses-agent-fresh: input items, `store: false`), each timed against the chat body the
+gateway translates it into (agent-fresh's) sent to the upstream directly: what the surface
+adds. Each workload's request is sent through the gateway once, whole and streamed, before the
+load; any answer but a 200 ends the bench.
 
 Each round measures, in rotating order, each workload's request sent to the upstream
 directly and through the gateway, and the first workload through a bare proxy:
@@ -54,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -239,6 +246,8 @@ class Workload:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     long: bool
+    surface: str = "chat"
+    """The API its client speaks (`SURFACE_PATHS`); the gateway translates it to this chat."""
 
     def prefixes(self) -> list[list[dict[str, Any]]]:
         """The run's earlier turns' requests, sent one after another before the load."""
@@ -251,7 +260,60 @@ WORKLOADS = {
     "chat-long": Workload("chat, long", chat_history(HISTORY_TURNS), None, long=True),
     "agent-fresh": Workload("agent, fresh", agent_history(0), TOOLS, long=False),
     "agent-long": Workload("agent, long", agent_history(HISTORY_TURNS), TOOLS, long=True),
+    "messages-agent-fresh": Workload(
+        "agent, Messages", agent_history(0), TOOLS, long=False, surface="messages"
+    ),
+    "responses-agent-fresh": Workload(
+        "agent, Responses", agent_history(0), TOOLS, long=False, surface="responses"
+    ),
 }
+DEFAULT_WORKLOADS = ("chat-fresh", "chat-long", "agent-fresh", "agent-long")
+NAME_WIDTH = max(len(workload.name) for workload in WORKLOADS.values())
+SURFACE_PATHS = {"chat": CHAT_PATH, "messages": "/v1/messages", "responses": "/v1/responses"}
+
+
+def surface_request(surface: str, chat: dict[str, Any]) -> dict[str, Any]:
+    """The request a client of `surface` sends that the gateway translates into the chat body
+    `chat`: a first turn (system and user text) and its tools, in the surface's shapes."""
+    if surface == "chat":
+        return chat
+    system = "\n\n".join(m["content"] for m in chat["messages"] if m["role"] == "system")
+    turns = [m for m in chat["messages"] if m["role"] != "system"]
+    functions = [tool["function"] for tool in chat.get("tools") or ()]
+    if surface == "messages":  # as Claude Code sends it: text blocks, x-api-key
+        return {
+            "model": chat["model"],
+            "system": [{"type": "text", "text": system}],
+            "messages": [
+                {"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+                for m in turns
+            ],
+            "tools": [
+                {
+                    "name": f["name"],
+                    "description": f["description"],
+                    "input_schema": f["parameters"],
+                }
+                for f in functions
+            ],
+            "max_tokens": chat["max_tokens"],
+        }
+    # As Codex sends it: the whole conversation as input items, nothing stored.
+    return {
+        "model": chat["model"],
+        "instructions": system,
+        "input": [
+            {
+                "type": "message",
+                "role": m["role"],
+                "content": [{"type": "input_text", "text": m["content"]}],
+            }
+            for m in turns
+        ],
+        "tools": [{"type": "function", **f} for f in functions],
+        "max_output_tokens": chat["max_tokens"],
+        "store": False,
+    }
 
 
 # -- the fixed-latency upstream (a measuring instrument, run in its own process) -------------
@@ -514,6 +576,7 @@ class Target:
     users: tuple[str, ...] = ()
     """X-User-Id of each hey process in turn; none: the header is not sent."""
     workload: str = "chat-fresh"
+    path: str = CHAT_PATH
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -579,7 +642,7 @@ def run_hey(
             *("-z", f"{seconds:g}s", "-c", "1", "-q", f"{rate / count:.4f}", "-t", "10"),
             *("-m", "POST", "-T", "application/json", "-D", str(body_file), "-o", "csv"),
             *headers,
-            f"{target.url}/v1/chat/completions",
+            f"{target.url}{target.path}",
         ]
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
         time.sleep(1 / rate)
@@ -707,12 +770,12 @@ def scraped(gateway: str) -> list[MetricSample]:
     return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
-def own_buckets(gateway: str) -> dict[float, float]:
-    """The chat route's `rtrl_http_overhead_seconds` so far: cumulative count by bound (ms)."""
+def own_buckets(gateway: str, route: str) -> dict[float, float]:
+    """A route's `rtrl_http_overhead_seconds` so far: cumulative count by bound (ms)."""
     return {
         float(sample.labels["le"]) * 1000: sample.value
         for sample in scraped(gateway)
-        if sample.name == OWN_METRIC and sample.labels.get("route") == CHAT_PATH
+        if sample.name == OWN_METRIC and sample.labels.get("route") == route
     }
 
 
@@ -796,7 +859,7 @@ def interleaved(
             batches = int(args.feedback_rate * seconds)
             feedback_config(config, setup.gateway_url, setup.key, setup.request_ids, batches)
             side.append(feedback_command(config, args.feedback_rate, work / "feedback.out"))
-        own_before = own_buckets(setup.gateway_url) if gateway else {}
+        own_before = own_buckets(setup.gateway_url, target.path) if gateway else {}
         phase = phases[phase_name(target)] = run_hey(
             target,
             stream=stream,
@@ -807,7 +870,7 @@ def interleaved(
             measured_pid=measured.pid if measured else None,
         )
         if gateway:
-            own_after = own_buckets(setup.gateway_url)
+            own_after = own_buckets(setup.gateway_url, target.path)
             phase.own = sorted(
                 (bound, count - own_before.get(bound, 0.0)) for bound, count in own_after.items()
             )
@@ -847,7 +910,7 @@ def print_rounds(
     own time to the first byte; then what the bare proxy adds to the plain chat's."""
     print(f"\n{title}")
     print(
-        f"  {'workload':<13} {'round':>5} {'direct p50':>10} {'p99':>6} │"
+        f"  {'workload':<{NAME_WIDTH}} {'round':>5} {'direct p50':>10} {'p99':>6} │"
         f" {'gateway p50':>11} {'p99':>6} {'+p50':>6} {'+p99':>6} │ {'req/s':>6} {'errors':>6}"
         f" │ {'CPU ms/req':>10} {'loop':>5}" + (f" │ {'own p50':>7} {'p99':>5}" if own else "")
     )
@@ -865,7 +928,7 @@ def print_rounds(
             own50.append(gateway.own_ms(0.5))
             own99.append(gateway.own_ms(0.99))
             print(
-                f"  {WORKLOADS[workload].name:<13} {n:>5}"
+                f"  {WORKLOADS[workload].name:<{NAME_WIDTH}} {n:>5}"
                 f" {direct.quantile(0.5, first_byte):>10.1f}"
                 f" {direct.quantile(0.99, first_byte):>6.1f} │"
                 f" {gateway.quantile(0.5, first_byte):>11.1f}"
@@ -908,7 +971,9 @@ def print_side_by_side(
         f"{args.p50_budget_ms:g} / {args.p99_budget_ms:g}); its CPU per request (ms, all threads)"
     )
     print(
-        f"  {'':<13}" + "".join(f" │ {title:^13}" for title, _ in modes) + f" │ {'CPU ms/req':>10}"
+        f"  {'':<{NAME_WIDTH}}"
+        + "".join(f" │ {title:^13}" for title, _ in modes)
+        + f" │ {'CPU ms/req':>10}"
     )
     over = []
     for workload in [*workloads, "proxy"]:
@@ -924,7 +989,7 @@ def print_side_by_side(
             ):
                 over.append(f"{name} ({title})")
         cpu = modes[0][1][workload].cpu_ms
-        print(f"  {name:<13}" + "".join(cells) + f" │ {cpu:>10.2f}")
+        print(f"  {name:<{NAME_WIDTH}}" + "".join(cells) + f" │ {cpu:>10.2f}")
     print(
         "  within budget: "
         + ("all" if not over else "no: " + ", ".join(over))
@@ -935,13 +1000,13 @@ def print_side_by_side(
         "\nof which the gateway's own time, to the first byte less vLLM's wait "
         "(rtrl_http_overhead_seconds; ms, p50 / p99); the rest is the hop and the machine"
     )
-    print(f"  {'':<13}" + "".join(f" │ {title:^13}" for title, _ in owned))
+    print(f"  {'':<{NAME_WIDTH}}" + "".join(f" │ {title:^13}" for title, _ in owned))
     for workload in workloads:
         cells = [
             f" │ {medians[workload].own_p50:>5.2f} / {medians[workload].own_p99:<5.2f}"
             for _, medians in owned
         ]
-        print(f"  {WORKLOADS[workload].name:<13}" + "".join(cells))
+        print(f"  {WORKLOADS[workload].name:<{NAME_WIDTH}}" + "".join(cells))
 
 
 def sweep(setup: Setup, rates: list[float], args: Any) -> list[tuple[float, Phase, Phase]]:
@@ -1110,17 +1175,21 @@ def setup_load(stack: EmbeddedStack, key: str, root: Path, workloads: list[str])
             "return_token_ids": True,
         }
         headers: tuple[str, ...] = ("-H", f"Authorization: Bearer {key}")
+        if workload.surface == "messages":
+            headers = ("-H", f"x-api-key: {key}", "-H", "anthropic-version: 2023-06-01")
         if workload.long:
             # As an IDE that names its session: one id, one user, a run with history.
             headers += ("-H", f"X-Session-Id: bench-{name}")
+        # Another surface's direct call is the chat body the gateway translates it into.
         targets[name] = (
             Target("direct", upstream, (), direct_body, workload=name),
             Target(
                 "gateway",
                 gateway,
                 headers,
-                body | {"model": "rtrl"},
+                surface_request(workload.surface, body | {"model": "rtrl"}),
                 workload=name,
+                path=SURFACE_PATHS[workload.surface],
             ),
         )
     direct_chat = targets[workloads[0]][0]
@@ -1168,6 +1237,31 @@ def seed_runs(setup: Setup) -> list[str]:
     return users
 
 
+def check_served(setup: Setup) -> None:
+    """Each workload's request through the gateway, whole and streamed, once: a refusal would
+    leave the load timing errors, so any status but 200 ends the bench with the answer."""
+    for name, (_, gateway) in setup.workloads.items():
+        headers = dict(header.split(": ", 1) for header in gateway.headers[1::2])
+        headers["Content-Type"] = "application/json"
+        if gateway.users:
+            headers["X-User-Id"] = gateway.users[0]
+        for stream in (False, True):
+            request = urllib.request.Request(
+                f"{setup.gateway_url}{gateway.path}",
+                data=orjson.dumps(gateway.body | {"stream": stream}),
+                headers=headers,
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    response.read()
+            except urllib.error.HTTPError as refused:
+                answer = refused.read()[:2000].decode(errors="replace")
+                sys.exit(
+                    f"error: {gateway.path} answered {name}'s request"
+                    f"{' (streamed)' if stream else ''} with {refused.code}: {answer}"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=100.0, help="requests/s (default 100)")
@@ -1175,7 +1269,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--workloads",
-        default=",".join(WORKLOADS),
+        default=",".join(DEFAULT_WORKLOADS),
         help=f"comma-separated, the first measured beside the bare proxy ({', '.join(WORKLOADS)})",
     )
     parser.add_argument("--delay-ms", type=float, default=20.0, help="upstream time to answer")
@@ -1262,6 +1356,7 @@ def main() -> None:
         )
         processes.append(setup.gateway_process)
         seed_runs(setup)
+        check_served(setup)
         for name in workloads:  # the gateway's first seconds: connections, imports, caches
             for stream in (False, True):
                 run_hey(
@@ -1290,15 +1385,14 @@ def report(setup: Setup, workloads: list[str], rates: list[float], args: Any) ->
     )
     for name in workloads:
         workload = WORKLOADS[name]
-        body = setup.workloads[name][1].body
+        sent = setup.workloads[name][1]
         print(
-            f"  {workload.name}: {len(workload.messages)} messages, "
-            f"{len(workload.tools or ())} tools, {len(orjson.dumps(body)) / 1024:.1f} kB; "
+            f"  {workload.name}: {sent.path}, {len(workload.messages)} messages, "
+            f"{len(workload.tools or ())} tools, {len(orjson.dumps(sent.body)) / 1024:.1f} kB; "
             + (
                 f"one session id and user per arm, the run's turn {HISTORY_TURNS + 1}"
                 if workload.long
-                else f"no session id, {len(setup.workloads[name][1].users)} users, a run's "
-                "first turn"
+                else f"no session id, {len(sent.users)} users, a run's first turn"
             )
         )
     targets = [target for name in workloads for target in setup.workloads[name]]

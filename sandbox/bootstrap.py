@@ -138,9 +138,14 @@ class BootstrapConfig:
     """Attention heads (head_dim 64, a size vLLM's CPU attention supports)."""
     intermediate_size: int = 384
     """Width of the MLP."""
-    max_position_embeddings: int = 1024
-    """Longest sequence the model serves, prompt and completion together: room for an agent
-    run's history (tool declarations, calls and results) on top of one-turn requests."""
+    max_position_embeddings: int = 131_072
+    """Longest sequence the model serves, prompt and completion together. Pretraining never
+    sees more than a few hundred tokens, but the positions are rotary (computed, not learned),
+    so this costs no weight: it is the context vLLM serves. Stock coding agents open with
+    2k-55k tokens of this tokenizer's (1.45 characters a token) system prompt and tool
+    declarations, and their histories grow from there; the answers past the trained lengths
+    are poor, the protocol works. The shipped bases were trained at 1,024 and their configs
+    raised afterwards: the same weights, as the shipped-base tests check."""
     train_steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 64

@@ -31,7 +31,7 @@ from app.processes import free_port
 from app.serving.publish import ensure_base_checkpoint
 from app.serving.vllm import VllmServer
 from rtrl.embedded.stack import EmbeddedStack
-from sandbox.bases import DEFAULT_BASE, HACKING_BASE, install_base
+from sandbox.bases import DEFAULT_BASE, HACKING_BASE, install_base, shipped_base_dir
 from sandbox.bootstrap import BootstrapConfig, build_corpus, pretrain
 from workers.config import WorkerConfig
 
@@ -259,6 +259,16 @@ def keyed_vllm_server(
     (model_dir / "generation_config.json").write_text(json.dumps(generation | SHIPPED_SAMPLING))
     with running_vllm(model_dir, root, api_key=f"vllm-{uuid.uuid4().hex}") as server:
         yield server
+
+
+def past_the_context(phrase: str, model_dir: Path | None = None) -> str:
+    """`phrase` repeated until it is longer than the model's context (the shipped bases' by
+    default), by its own tokenizer's count: a prompt vLLM refuses."""
+    model_dir = model_dir or shipped_base_dir(HACKING_BASE)
+    context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    per_phrase = len(tokenizer(phrase * 100)["input_ids"]) / 100
+    return phrase * (int(context / per_phrase) + 100)
 
 
 SHIPPED_SAMPLING = {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.3}

@@ -21,6 +21,7 @@ from app.gateway.service import request_key
 from app.main import create_app
 from app.models import Checkpoint, CheckpointStatus
 from app.processes import free_port
+from tests.conftest import past_the_context
 from workers.config import WorkerConfig
 from workers.store import sample_row, store_events
 
@@ -494,8 +495,7 @@ def test_a_request_vllm_refuses_is_relayed_and_its_id_can_be_reused(
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
             model="rtrl",
-            # A prompt beyond the tiny model's 1,024-token context.
-            messages=[{"role": "user", "content": "Read this. " * 1_500}],
+            messages=[{"role": "user", "content": past_the_context("Read this. ")}],
             max_tokens=2,
             extra_headers={"X-Request-Id": request_id},
         )

@@ -12,6 +12,7 @@ from anthropic import Anthropic, BadRequestError
 from openai import OpenAI
 
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
+from tests.conftest import past_the_context
 
 EDIT_SCHEMA = {
     "type": "object",
@@ -101,7 +102,8 @@ def test_a_claude_code_refusal_and_interrupt_reject_the_edit_that_asked_once(
     if refused_request == "past the context":
         # The user pastes a log longer than the model's context: the request is refused,
         # and still says what became of the edit.
-        refused[-1]["content"].append({"type": "text", "text": "Here is the log. " * 1_500})
+        log = past_the_context("Here is the log. ")
+        refused[-1]["content"].append({"type": "text", "text": log})
     answered = []
     for _ in range(2):  # the second request re-sends the same history: nothing new
         try:

@@ -15,6 +15,7 @@ from sqlalchemy import Engine, select
 from app.db import session_scope
 from app.events import COMPLETIONS_TOPIC
 from app.models import Checkpoint, CheckpointStatus
+from tests.conftest import past_the_context
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -249,12 +250,11 @@ def test_a_prompt_longer_than_the_context_is_too_long_in_claude_codes_words(
         claude(gateway_server, ide_key, new_id("s")).messages.create(
             model="claude",
             max_tokens=8,
-            # Beyond the tiny model's 1,024-token context.
-            messages=[{"role": "user", "content": "Read this. " * 1_500}],
+            messages=[{"role": "user", "content": past_the_context("Read this. ")}],
         )
     error = refused.value.body["error"]
     assert error["type"] == "invalid_request_error"
-    assert re.fullmatch(r"prompt is too long: \d+ tokens > 1024 maximum", error["message"])
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 131072 maximum", error["message"])
 
 
 def test_a_claude_code_run_of_three_turns_is_linked_into_one_run(

@@ -11,6 +11,7 @@ import pytest
 from openai import OpenAI
 
 from app.events import COMPLETIONS_TOPIC
+from tests.conftest import past_the_context
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -209,8 +210,7 @@ def test_a_prompt_longer_than_the_context_is_context_length_exceeded(
         codex(gateway_server, ide_key, str(uuid.uuid4())).responses.create(
             model="gpt-5.1-codex",
             max_output_tokens=8,
-            # Beyond the tiny model's 1,024-token context.
-            input="Read this. " * 1_500,
+            input=past_the_context("Read this. "),
         )
     assert refused.value.code == "context_length_exceeded"
     assert "exceeds the context window" in refused.value.message

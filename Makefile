@@ -10,7 +10,7 @@ VLLM_EXTRA ?= cpu
 PYTEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install lint format test test-fast ts-client demo browser promtool alerts services-up \
+.PHONY: install lint format test test-fast scenarios ts-client demo browser promtool alerts services-up \
 	services-down docs docs-serve docs-reference
 
 install: $(STAMP)
@@ -38,7 +38,12 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 test: install lint browser alerts ts-client docs
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not scenario"
+
+# The end-to-end scenarios (`@pytest.mark.scenario`): minutes each on two cores, so out of
+# `make test`; run them before a release and after a change to the loop they cover.
+scenarios: install
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m scenario
 
 # The fast lane: unit and single-service tests, without the tests marked `slow` (those that
 # restart vLLM, train, run the demo or offline agent gates); `make test` runs them all.
@@ -47,7 +52,7 @@ test: install lint browser alerts ts-client docs
 TS_CLIENT_TEST := clients/typescript/build/test/integration/gateway.test.js
 
 test-fast: install lint $(TS_CLIENT_TEST)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not scenario"
 
 $(TS_CLIENT_TEST):
 	$(MAKE) ts-client

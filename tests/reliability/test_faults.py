@@ -106,6 +106,7 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.scenario
 def test_a_stopped_replica_is_a_clear_503_then_its_arm_falls_back_until_reconciled(
     loop: Loop, vllm_server: VllmServer, lora_dir: Path
 ) -> None:
@@ -202,6 +203,7 @@ def _train(loop: Loop, kill_when: Path | None) -> subprocess.CompletedProcess[st
     return None
 
 
+@pytest.mark.scenario
 def test_a_trainer_killed_while_saving_or_publishing_leaves_nothing_half_published(
     loop: Loop,
 ) -> None:

@@ -48,6 +48,7 @@ def test_sigterm_turns_a_gateway_unready_refuses_requests_and_drains_its_spool(
     assert books.balanced, books
 
 
+@pytest.mark.scenario
 def test_a_gateway_adopts_and_sends_the_spool_a_stopped_gateway_left_beside_it(
     loop: Loop,
 ) -> None:

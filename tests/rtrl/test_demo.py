@@ -127,6 +127,7 @@ def test_the_hacking_scenario_runs_on_the_shipped_weak_base_and_refuses_a_mismat
     assert str(trained_on) in str(refused.value) and str(weak) in str(refused.value)
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
     clean_registry: Engine,
@@ -175,6 +176,7 @@ def test_one_cycle_trains_a_candidate_and_promotes_it_only_when_it_is_ahead(
     assert os.path.exists(tmp_path / "logs" / "gateway.log")
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_a_reward_hacked_canary_raises_the_monitors_alert_and_is_not_promoted(
     clean_registry: Engine,

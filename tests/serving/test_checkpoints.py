@@ -113,6 +113,7 @@ def test_retired_checkpoints_are_unloaded(
     assert retired is not None and retired.status == CheckpointStatus.retired
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_reconcile_restores_exactly_the_live_checkpoints_after_a_restart(
     registry: Engine, vllm_server: VllmServer, lora_dir: Path, tmp_path: Path

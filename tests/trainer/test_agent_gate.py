@@ -92,6 +92,7 @@ def test_only_a_run_solved_without_a_malformed_call_counts_as_clean() -> None:
     assert clean_solve_rate([]) == 0.0
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_the_agent_gate_scores_a_candidate_that_breaks_its_tool_calls_below_its_parent(
     agent_model_dir: Path, tmp_path: Path

@@ -97,6 +97,7 @@ def test_report_is_recorded(bootstrapped: BootstrapReport) -> None:
     assert len(identity.checksum) == 64 and identity.recipe == record
 
 
+@pytest.mark.scenario
 def test_a_base_below_the_agent_run_check_trains_on_until_the_cap(
     bootstrapped: BootstrapReport, tmp_path: Path
 ) -> None:
@@ -130,6 +131,7 @@ def test_second_call_reuses_the_existing_model(bootstrapped: BootstrapReport) ->
     assert {path: path.stat().st_mtime_ns for path in bootstrapped.output_dir.iterdir()} == modified
 
 
+@pytest.mark.scenario
 def test_force_retrains_to_identical_weights(bootstrapped: BootstrapReport) -> None:
     weights_path: Path = bootstrapped.output_dir / "model.safetensors"
     before = load_file(weights_path)

@@ -207,6 +207,7 @@ def test_enough_samples_served_after_the_last_window_are_new_evidence() -> None:
 # -- trainers as processes -----------------------------------------------------------------
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_three_trainers_run_one_cycle_per_interval_and_one_per_request(
     registry: Engine,

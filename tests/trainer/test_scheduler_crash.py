@@ -32,6 +32,7 @@ from tests.trainer.conftest import (
 from trainer.generation import prompt_ids
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_a_trainer_killed_mid_cycle_does_not_stall_the_schedule(
     registry: Engine,

@@ -118,6 +118,7 @@ def recomputed_logprobs(model_dir: Path, event: dict[str, Any]) -> list[float]:
     return logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
+@pytest.mark.scenario
 def test_a_model_that_ships_sampling_defaults_is_sampled_at_what_the_event_logs(
     production_gateway: GatewayServer, ide_key: str, kafka: KafkaTopics, tiny_model_dir: Path
 ) -> None:

@@ -223,6 +223,7 @@ def test_a_server_started_with_an_api_key_serves_only_the_calls_that_carry_it(
     assert key not in server.log_file.read_text()
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_the_launched_server_caps_max_tokens_and_streams_in_the_set_interval(
     tiny_model_dir: Path, tmp_path: Path

@@ -256,6 +256,11 @@ class Settings(BaseSettings):
     spool_memory_events: int = Field(default=10_000, ge=100)
     """Events held in memory while the disk spool refuses writes; beyond that the oldest go."""
 
+    spool_min_free_bytes: int = Field(default=64 << 20, ge=0)
+    """Free space the spool's filesystem must have for the spool to count as able to hold
+    events (64 MiB: four segments); below it, with Kafka unreachable too, `/readyz` answers
+    503 (`failing: ["events"]`) so the load balancer sends requests to another gateway."""
+
     spool_retention: timedelta = timedelta(hours=6)
     """How long delivered events stay in the gateway's spool, to be sent again should the
     broker lose them (seconds or ISO 8601; 0 deletes them once Kafka has them)."""

@@ -103,6 +103,7 @@ def _lifespan(
             settings.spool_dir,
             Retention(settings.spool_retention, settings.spool_retention_bytes),
             memory_events=settings.spool_memory_events,
+            min_free_bytes=settings.spool_min_free_bytes,
             producer_options={"max_request_size": settings.kafka_max_message_bytes},
             security=kafka_security(settings),
         )
@@ -320,7 +321,7 @@ async def readyz(request: Request) -> JSONResponse:
     stopping = shutdown.started
     # Events are safe while either Kafka takes them or the spool can hold them.
     checks = {
-        "events": sink.kafka_connected or os.access(sink.disk.directory, os.W_OK),
+        "events": sink.kafka_connected or sink.spool_can_hold,
         "accepting": not stopping,
     }
     ready = all(checks.values())
@@ -334,6 +335,7 @@ async def readyz(request: Request) -> JSONResponse:
         "pid": os.getpid(),
         "spool": str(sink.disk.directory),
         "spooled_events": sink.depth,
+        "spool_free_bytes": sink.spool_free_bytes,
         "spool_retained": sink.retained,
     }
     return JSONResponse(body, status_code=200 if ready else 503)

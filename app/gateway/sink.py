@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 import socket
 import threading
 import time
@@ -101,12 +103,14 @@ class EventSink:
         spool_root: Path | None = None,
         adopted: Sequence[DiskSpool] = (),
         memory_events: int = 10_000,
+        min_free_bytes: int = 64 << 20,
         delivery_timeout_ms: int = 8_000,
         producer_options: dict[str, Any] | None = None,
         security: Mapping[str, Any] | None = None,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.memory_events = memory_events
+        self.min_free_bytes = min_free_bytes
         # This gateway's own spool, where its events are written; adopted ones go first.
         self.disk = spool
         self.spool_root = spool_root
@@ -184,6 +188,26 @@ class EventSink:
     def kafka_connected(self) -> bool:
         """Whether the last send reached Kafka."""
         return self._producer is not None and not self._broker_down
+
+    @property
+    def spool_free_bytes(self) -> int:
+        """Free bytes on the spool's filesystem (0 if it cannot be read)."""
+        try:
+            return shutil.disk_usage(self.disk.directory).free
+        except OSError:
+            return 0
+
+    @property
+    def spool_can_hold(self) -> bool:
+        """Whether the spool can take the next events: its directory is writable, its
+        filesystem has `min_free_bytes` free, and no write it refused is still held in memory.
+        A full disk leaves the directory writable by its permissions, so they alone do not
+        tell."""
+        return (
+            not self._queue
+            and os.access(self.disk.directory, os.W_OK)
+            and self.spool_free_bytes >= self.min_free_bytes
+        )
 
     @property
     def depth(self) -> dict[str, int]:

@@ -6,6 +6,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -13,7 +14,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.config import Settings
 from app.observability import JsonFormatter, request_id_var
+from app.processes import free_port
 
 
 def test_health_readiness_and_metrics(gateway_server: Any, ide_key: str) -> None:
@@ -32,6 +35,28 @@ def test_health_readiness_and_metrics(gateway_server: Any, ide_key: str) -> None
     assert 'rtrl_spool_depth{where="disk"}' in metrics
     assert "rtrl_kafka_connected 1.0" in metrics
     assert "rtrl_spool_retained_bytes" in metrics
+
+
+def test_a_gateway_whose_spool_disk_is_full_and_kafka_down_is_not_ready(
+    gateway_settings: Settings, start_gateway: Callable[[Settings], Any]
+) -> None:
+    # With Kafka unreachable, events are safe only on the spool's disk. A full disk leaves
+    # the directory writable by its permissions; a floor above the disk's free space stands
+    # in for a full disk here.
+    offline = gateway_settings.model_copy(
+        update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"}
+    )
+    roomy = start_gateway(offline)
+    ready = httpx.get(f"{roomy.url}/readyz", timeout=30)
+    assert ready.status_code == 200, ready.text
+    free = ready.json()["spool_free_bytes"]
+    assert free > 0 and ready.json()["kafka_connected"] is False
+
+    full = start_gateway(offline.model_copy(update={"spool_min_free_bytes": free + (1 << 40)}))
+    unready = httpx.get(f"{full.url}/readyz", timeout=30)
+    assert unready.status_code == 503, unready.text
+    assert unready.json()["status"] == "unavailable"
+    assert unready.json()["failing"] == ["events"]
 
 
 CHAT_ROUTE = "/v1/chat/completions"

@@ -920,6 +920,12 @@ def demo(
         help="Train the base model (minutes) instead of installing the shipped one, when the"
         " data dir has none.",
     ),
+    seed: int = typer.Option(
+        0,
+        min=0,
+        help="Which tasks and developers (0: the documented run); `python -m bench.demo_seeds`"
+        " runs several.",
+    ),
 ) -> None:
     """The closed loop: traffic, rewards, training cycles, canaries, A/B results, summary."""
     from rtrl.demo import (
@@ -941,6 +947,7 @@ def demo(
         scenario=scenario,  # type: ignore[arg-type]
         offline_runs=offline_runs,
         bootstrap_base=bootstrap,
+        seed=seed,
         train=demo_train_config(agent=agent, scenario=scenario),  # type: ignore[arg-type]
     )
     config.train = with_explicit_settings(config.train)

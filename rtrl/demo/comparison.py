@@ -17,7 +17,7 @@ from app.models import Checkpoint
 from app.registry.experiments import start_canary
 from app.registry.routing import notify_routing_changed_sync
 from rtrl.demo.clients import DemoKeys, Ops, results, treatment_kept
-from rtrl.demo.config import OFFLINE_SEED, DemoConfig, Progress
+from rtrl.demo.config import OFFLINE_SEED, SEED_STRIDE, DemoConfig, Progress
 from rtrl.demo.records import DemoSummary
 from rtrl.demo.tables import ab_table, offline_solved_line, served_kept_line
 from rtrl.demo.traffic import held_out_evaluation, phase_bar
@@ -59,7 +59,7 @@ def final_comparison(
         progress,
         label="held-out comparison",
         users=config.eval_users * 2,
-        seed=9999,
+        seed=config.seed * SEED_STRIDE + 9999,
     )
     body = results(engine, gateway, keys.analyst, experiment_id)
     progress(ab_table(body))
@@ -134,7 +134,14 @@ def offline_differences(
     """The final checkpoint minus base on `config.offline_runs` offline runs each, per
     `RUN_METRICS` name."""
     base_runs, final_runs = offline_comparison(
-        engine, settings, base, final, config.offline_runs, progress, config.progress_bars
+        engine,
+        settings,
+        base,
+        final,
+        config.offline_runs,
+        progress,
+        config.progress_bars,
+        seed=config.seed * SEED_STRIDE + OFFLINE_SEED,
     )
     return {metric: compare_runs(final_runs.runs, base_runs.runs, metric) for metric in RUN_METRICS}
 
@@ -147,6 +154,7 @@ def offline_comparison(
     runs: int,
     progress: Progress,
     bars: bool = True,
+    seed: int = OFFLINE_SEED,
 ) -> list[PolicyRuns]:
     """Base and the final checkpoint on `runs` held-out agent tasks each, sampled offline with
     transformers the way the simulated IDE runs them (the same tasks and random stream for
@@ -159,15 +167,13 @@ def offline_comparison(
         }
     progress(f"\noffline: {runs} held-out agent runs per model, {base} and {final} ...")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(settings.base_model_path)
-    tasks = agent_tasks(OFFLINE_SEED, runs, "heldout")
+    tasks = agent_tasks(seed, runs, "heldout")
     policies = []
     with phase_bar("offline runs", 2, bars) as advance:
         for done, name in enumerate((base, final), start=1):
             adapter = adapters.get(name)
             policy = load_policy(settings.base_model_path, Path(adapter) if adapter else None)
-            policies.append(
-                PolicyRuns(name, run_agents(policy, tokenizer, tasks, seed=OFFLINE_SEED))
-            )
+            policies.append(PolicyRuns(name, run_agents(policy, tokenizer, tasks, seed=seed)))
             advance(done)
     progress(runs_table(policies))
     return policies

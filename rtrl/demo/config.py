@@ -36,6 +36,8 @@ expects to fail, and the 500-step base fails most runs, where the 1,000-step one
 under what a canary comparison resolves (docs/results/reward-hacking.md)."""
 OFFLINE_SEED = 11
 """The held-out tasks and random stream of the final offline comparison."""
+SEED_STRIDE = 100_000
+"""How far apart two demo seeds' traffic seeds are: more than any seed a run uses."""
 
 
 def demo_train_config(*, agent: bool, scenario: Scenario = "learning") -> TrainConfig:
@@ -111,6 +113,10 @@ class DemoConfig:
     bootstrap_base: bool = False
     """Train the base model by its recipe when the data dir has none, instead of installing
     the shipped one."""
+    seed: int = 0
+    """Which tasks and developers: every traffic seed of the run (each cycle's training
+    traffic, each canary's evaluation, the final comparison and its offline runs) is offset by
+    `seed × SEED_STRIDE`; 0 is the demo as documented. `bench.demo_seeds` runs several."""
     train: TrainConfig = field(default_factory=lambda: demo_train_config(agent=True))
     """The training cycle's settings (see `demo_train_config`); any `RTRL_TRAIN_*` variable
     that is set overrides them (`rtrl demo` applies it)."""

@@ -30,7 +30,13 @@ from app.registry.routing import notify_routing_changed_sync
 from app.signals.rewards import LATEST_REWARD_VERSION
 from rtrl.demo.clients import DemoKeys, Ops, create_keys, predictions, results, treatment_kept
 from rtrl.demo.comparison import final_comparison
-from rtrl.demo.config import FLAWED_REWARD_VERSION, DemoConfig, Progress, scenario_settings
+from rtrl.demo.config import (
+    FLAWED_REWARD_VERSION,
+    SEED_STRIDE,
+    DemoConfig,
+    Progress,
+    scenario_settings,
+)
 from rtrl.demo.records import CycleRecord, DemoSummary
 from rtrl.demo.tables import ab_table, cycle_table, hacking_verdict, prediction_table
 from rtrl.demo.traffic import held_out_evaluation, rewarded_traffic
@@ -203,7 +209,7 @@ def train_candidate(
         label="training traffic",
         users=config.train_users,
         sessions=config.train_sessions,
-        seed=cycle,
+        seed=config.seed * SEED_STRIDE + cycle,
         split="train",
         concurrency=config.concurrency,
     )
@@ -247,7 +253,7 @@ def judge_canary(
         progress,
         label="held-out evaluation",
         users=config.eval_users,
-        seed=1000 + record.cycle,
+        seed=config.seed * SEED_STRIDE + 1000 + record.cycle,
     )
     body = results(engine, gateway, keys.analyst, experiment_id)
     progress("  A/B results on held-out tasks (from /analytics):")

@@ -7,7 +7,8 @@ the request declares tools; streamed in --stream-chunks chunks when asked) and a
 process in front of it, with two checkpoints in a running 50/50 experiment. The load comes
 from `hey` (Go, apt package `hey`; installed with apt-get when missing), so the load
 generator does not compete for the gateway's interpreter, and the feedback traffic from
-`curl`, one unique batch per POST at --feedback-rate batches/s.
+`curl`, one batch per POST at --feedback-rate batches/s, each about a completion of its
+own, served before the phase's clock starts (a request takes one verdict; a second is a 409).
 
 What the clients send (--workloads): chats and agent turns (six tools declared, each with a
 JSON Schema), each either a session's first turn (no session header, as stock clients send,
@@ -63,6 +64,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -663,13 +665,11 @@ def run_hey(
     return phase
 
 
-def feedback_config(
-    path: Path, gateway: str, key: str, request_ids: list[str], batches: int
-) -> None:
-    """A curl config of `batches` POSTs to /v1/feedback, each a new batch of two events."""
+def feedback_config(path: Path, gateway: str, key: str, request_ids: list[str]) -> None:
+    """A curl config of one POST to /v1/feedback per request id, each a new batch of two
+    events about that completion (a request takes one verdict: a second is a 409)."""
     entries = []
-    for n in range(batches):
-        request_id = request_ids[n % len(request_ids)]
+    for request_id in request_ids:
         events: list[dict[str, Any]] = [
             {"kind": "edit_accepted", "event_id": str(uuid.uuid4())},
             {
@@ -857,7 +857,9 @@ def interleaved(
             config = work / "feedback.cfg"
             work.mkdir(parents=True, exist_ok=True)
             batches = int(args.feedback_rate * seconds)
-            feedback_config(config, setup.gateway_url, setup.key, setup.request_ids, batches)
+            feedback_config(
+                config, setup.gateway_url, setup.key, served_for_feedback(setup, batches)
+            )
             side.append(feedback_command(config, args.feedback_rate, work / "feedback.out"))
         own_before = own_buckets(setup.gateway_url, target.path) if gateway else {}
         phase = phases[phase_name(target)] = run_hey(
@@ -1235,6 +1237,25 @@ def seed_runs(setup: Setup) -> list[str]:
                 body = gateway.body | {"messages": messages}
                 post(f"{setup.gateway_url}/v1/chat/completions", body, headers | session)
     return users
+
+
+def served_for_feedback(setup: Setup, count: int) -> list[str]:
+    """`count` request ids of completions no feedback was sent about: the seeded ones first,
+    then new chats served through the gateway (before the phase's clock starts)."""
+    fresh = setup.request_ids[:count]
+    del setup.request_ids[:count]
+    headers = {"Authorization": f"Bearer {setup.key}", "X-Session-Id": SESSION_ID}
+    chat = {"model": "rtrl", "messages": chat_history(0), "max_tokens": COMPLETION_TOKENS}
+
+    def serve(n: int) -> str:
+        request_id = f"bench-{uuid.uuid4().hex[:12]}"
+        user = {"X-User-Id": f"bench-user-{n % 64}", "X-Request-Id": request_id}
+        post(f"{setup.gateway_url}/v1/chat/completions", chat, headers | user)
+        return request_id
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        fresh += pool.map(serve, range(count - len(fresh)))
+    return fresh
 
 
 def check_served(setup: Setup) -> None:

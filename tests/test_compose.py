@@ -538,7 +538,11 @@ def test_the_migrations_job_runs_to_completion_with_its_compose_command(host: Ho
     [
         ("gateway", "rtrl_completions_total"),
         ("workers", "rtrl_consumer_lag_messages"),
-        pytest.param("trainer", "rtrl_training_runs_total", marks=pytest.mark.slow),
+        pytest.param(
+            "trainer",
+            "rtrl_training_runs_total",
+            marks=[pytest.mark.slow, pytest.mark.scenario],
+        ),
     ],
 )
 def test_each_rtrl_service_starts_from_its_compose_command_and_passes_its_healthcheck(

@@ -81,6 +81,7 @@ def new_database(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
         postgres.stop()
 
 
+@pytest.mark.scenario
 def test_a_restore_into_a_new_database_keeps_the_books_production_and_later_erasures(
     loop: Loop,
     lora_dir: Path,

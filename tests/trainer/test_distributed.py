@@ -119,6 +119,7 @@ def test_two_ranks_make_the_update_one_rank_makes(
     assert difference <= TOLERANCE * moved
 
 
+@pytest.mark.scenario
 def test_the_trainer_under_torchrun_trains_a_requested_cycle_on_two_ranks_and_stops(
     registry: Engine,
     vllm_server: VllmServer,

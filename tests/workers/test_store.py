@@ -10,7 +10,7 @@ from sqlalchemy import Connection, select
 
 from app.events import CompletionEvent
 from app.history.erasure import erase_in_database, user_history
-from app.signals.rewards import compute_reward, distil_components
+from app.signals.rewards import compute_reward, distil_components, reward_weights
 from workers.config import WorkerConfig
 from workers.repository import feedback_events, rewards, samples, unstorable
 from workers.store import feedback_row, sample_row, store_events
@@ -305,9 +305,12 @@ def test_a_kept_edit_on_the_third_turn_credits_the_runs_earlier_turns(
     ]
     store(conn, *turns)
     store(conn, events.session_end(1, session=0))
-    # The session ended before the edit's fate was reported: the turns that led to it have
-    # no reward yet, rather than the blame of a rejected edit.
-    assert [reward_of(conn, events.request(n)).reward for n in (1, 2, 3)] == [None] * 3
+    # The session ended before the edit's fate was reported: the edit is censored, and the
+    # turns that led to it share its prior (0.5 under formula 6), not a rejected edit's blame.
+    assert reward_weights(CONFIG.reward_version).censored_kept == 0.5
+    censored = [reward_of(conn, events.request(n)) for n in (1, 2, 3)]
+    assert censored[2].components["kept"] is None
+    assert [r.reward for r in censored] == pytest.approx([0.405, 0.45, 0.5])
 
     store(
         conn,

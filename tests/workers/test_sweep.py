@@ -7,7 +7,7 @@ import pytest
 from kafka import TopicPartition
 from sqlalchemy import Connection, select
 
-from app.signals.rewards import REWARD_VERSIONS, RewardWeights
+from app.signals.rewards import REWARD_VERSIONS, RewardWeights, reward_weights
 from workers.config import WorkerConfig
 from workers.repository import rewards, samples
 from workers.store import feedback_row, sample_row, store_events
@@ -56,9 +56,10 @@ def test_sweep_finalizes_rewards_once_they_are_due(conn: Connection, events: Any
     found = rewards_of(conn, events.prefix)
     assert found[events.request(2)].finalize_reason == "timeout"
     assert found[events.request(2)].finalized_at == due_r2
-    # An edit whose fate was never reported has no reward: unknown is not zero.
-    assert found[events.request(2)].reward is None
+    # An edit whose fate was never reported is censored, not zero: its kept share stays
+    # unknown, and the reward takes the formula's prior in its place (none before formula 6).
     assert found[events.request(2)].components["kept"] is None
+    assert found[events.request(2)].reward == reward_weights(CONFIG.reward_version).censored_kept
     assert found[events.request(1)].finalized_at is None
     assert found[events.request(3)].finalize_reason == "horizon"  # finalized by the stream
 

@@ -53,6 +53,9 @@ RATIOS: dict[str, tuple[str, str]] = {
     "error_rate": ("errors", "requests"),
     "latency_over_budget_rate": ("over_budget", "final_rewards"),
     "latency_mean_ms": ("latency_sum", "requests"),
+    # Final edits whose fate was never seen (censored): a policy that learns to dodge the
+    # evidence (ending before the client shows what became of its edit) raises it.
+    "censored_edit_rate": ("edits_censored", "edits_final"),
 }
 REQUEST_SQUARES: dict[str, str] = {
     # metrics whose per-request values are not 0/1: the sum of their squares over requests
@@ -369,7 +372,8 @@ def timeseries_query(
     since: datetime | None,
     until: datetime | None,
 ) -> Select[Any]:
-    """Requests, kept rate, mean reward and dissatisfied rate per checkpoint and time bucket."""
+    """Requests, kept rate, mean reward, dissatisfied rate and censored edit rate per
+    checkpoint and time bucket."""
     start = func.date_trunc(bucket, rollups.c.hour, "UTC").label("bucket_start")
     total = func.sum
     query = (
@@ -388,6 +392,11 @@ def timeseries_query(
                 / func.nullif(total(rollups.c.dissatisfied_observed), 0)
             ).label("dissatisfied_rate"),
             total(rollups.c.dissatisfied_observed).label("dissatisfied_n"),
+            (
+                cast(total(rollups.c.edits_censored), Float)
+                / func.nullif(total(rollups.c.edits_final), 0)
+            ).label("censored_edit_rate"),
+            total(rollups.c.edits_final).label("edits_final"),
         )
         .group_by(rollups.c.checkpoint, start)
         .order_by(rollups.c.checkpoint, start)

@@ -123,6 +123,9 @@ SELECT sample_id, served_at, checkpoint, experiment_id, arm, user_hash, fresh, b
        (kept IS NOT NULL)::int - (was_kept IS NOT NULL)::int AS kept_n,
        coalesce(kept, 0) - coalesce(was_kept, 0) AS kept_sum,
        coalesce(kept ^ 2, 0) - coalesce(was_kept ^ 2, 0) AS kept_sumsq,
+       (now_final AND proposed_edit)::int - (was_final AND proposed_edit)::int AS edits_final,
+       (now_final AND proposed_edit AND kept IS NULL)::int
+           - (was_final AND proposed_edit AND was_kept IS NULL)::int AS edits_censored,
        (reward IS NOT NULL)::int - (was_reward IS NOT NULL)::int AS reward_n,
        coalesce(reward, 0) - coalesce(was_reward, 0) AS reward_sum,
        coalesce(reward ^ 2, 0) - coalesce(was_reward ^ 2, 0) AS reward_sumsq
@@ -322,6 +325,8 @@ SELECT s.id AS sample_id, s.served_at, s.checkpoint, s.experiment_id, s.arm, s.u
        -((l.kept IS NOT NULL)::int) AS kept_n,
        -coalesce(l.kept, 0) AS kept_sum,
        -coalesce(l.kept ^ 2, 0) AS kept_sumsq,
+       -((l.sample_id IS NOT NULL AND s.proposed_edit)::int) AS edits_final,
+       -((l.sample_id IS NOT NULL AND s.proposed_edit AND l.kept IS NULL)::int) AS edits_censored,
        -((l.reward IS NOT NULL)::int) AS reward_n,
        -coalesce(l.reward, 0) AS reward_sum,
        -coalesce(l.reward ^ 2, 0) AS reward_sumsq

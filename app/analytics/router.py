@@ -106,7 +106,8 @@ async def checkpoint_timeseries(
     bucket: Bucket = "day",
     checkpoint: Annotated[list[str], Query(max_length=50)] = [],  # noqa: B006
 ) -> TimeSeries:
-    """Requests, kept rate, mean reward and dissatisfied rate per checkpoint per hour or day."""
+    """Requests, kept rate, mean reward, dissatisfied rate and censored edit rate per checkpoint
+    per hour or day."""
     await service.refresh_if_stale(app_state(request.app).session_maker)
     for name in checkpoint:
         if not _is_checkpoint_name(name):

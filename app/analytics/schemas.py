@@ -125,6 +125,11 @@ class TimeBucket(BaseModel):
     reward_observations: int
     dissatisfied_rate: float | None
     dissatisfied_observations: int
+    censored_edit_rate: float | None = None
+    """Of the final rewards of answers that proposed an edit, the share whose fate was never
+    seen (censored): rising, the checkpoint ends before its edits are shown their verdict."""
+    edit_observations: int = 0
+    """Final rewards of answers that proposed an edit: the rate's denominator."""
 
 
 class CheckpointSeries(BaseModel):

@@ -164,6 +164,7 @@ METRIC_KINDS: dict[str, MetricKind] = {
     "error_rate": "proportion",
     "latency_over_budget_rate": "proportion",
     "latency_mean_ms": "mean",
+    "censored_edit_rate": "proportion",
     "latency_p50_ms": "percentile",
     "latency_p95_ms": "percentile",
     "latency_p99_ms": "percentile",
@@ -301,7 +302,8 @@ def _sample_ratio(
 async def timeseries(
     session: AsyncSession, bucket: Bucket, checkpoints: list[str], window: Window
 ) -> TimeSeries:
-    """Requests, kept rate, mean reward and dissatisfied rate per checkpoint over time."""
+    """Requests, kept rate, mean reward, dissatisfied rate and censored edit rate per checkpoint
+    over time."""
     hours = whole_hours(window)
     rows = await session.execute(
         timeseries_query(bucket, checkpoints or None, hours.since, hours.until)
@@ -318,6 +320,8 @@ async def timeseries(
                 reward_observations=int(row.reward_n),
                 dissatisfied_rate=row.dissatisfied_rate,
                 dissatisfied_observations=int(row.dissatisfied_n),
+                censored_edit_rate=row.censored_edit_rate,
+                edit_observations=int(row.edits_final),
             )
         )
     return TimeSeries(

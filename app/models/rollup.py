@@ -32,6 +32,8 @@ COUNTS = (
     "dissatisfied",
     "kept_n",
     "reward_n",
+    "edits_final",
+    "edits_censored",
 )
 TOTALS = (
     "kept_sum",
@@ -64,6 +66,10 @@ class MetricSums:
     dissatisfied: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     kept_n: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     reward_n: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    edits_final: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    """Final rewards of answers that proposed an edit."""
+    edits_censored: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    """Of those, the edits whose fate was never seen (kept unknown: censored)."""
     kept_sum: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     kept_sumsq: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     reward_sum: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)

@@ -130,6 +130,7 @@ def _tally(rows: Sequence[Row[Any]], served: int) -> RewardTally:
         rewarded_edits=len(edits),
         final_edits=sum(bool((row.components or {}).get("proposed_edit")) for row in final),
         kept_total=sum(float(components.get("kept") or 0.0) for components in edits),
+        censored_edits=sum(components.get("kept") is None for components in edits),
     )
 
 

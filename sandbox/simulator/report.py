@@ -42,13 +42,17 @@ class RewardTally:
     served: int
     finalized: int
     rewarded: int
-    """Final rewards with a value (an edit whose fate was never reported has none)."""
+    """Final rewards with a value (before formula 6, an edit whose fate was never reported
+    had none)."""
     rewarded_edits: int
     """Of those, the ones whose answer proposed an edit."""
     kept_total: float
-    """The kept share of the rewarded edits, summed."""
+    """The kept share of the rewarded edits whose fate was seen, summed."""
     final_edits: int = 0
     """Final rewards (with a value or not) whose answer proposed an edit."""
+    censored_edits: int = 0
+    """Of the rewarded edits, those whose fate was never seen (kept unknown): rewarded at the
+    formula's prior, not from a verdict."""
 
     @property
     def rewarded_share(self) -> float:
@@ -57,8 +61,9 @@ class RewardTally:
 
     @property
     def kept_share(self) -> float:
-        """Mean kept share over the rewarded edits."""
-        return self.kept_total / self.rewarded_edits if self.rewarded_edits else 0.0
+        """Mean kept share over the rewarded edits whose fate was seen."""
+        seen = self.rewarded_edits - self.censored_edits
+        return self.kept_total / seen if seen else 0.0
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,8 @@ class SimulationReport:
             lines.append(
                 f"rewards: {tally.finalized}/{tally.served} final, {tally.rewarded} with a"
                 f" reward ({tally.rewarded_share:.0%}); {tally.rewarded_edits}/{tally.final_edits}"
-                f" edits with a reward, kept {tally.kept_share:.2f} over them"
+                f" edits with a reward ({tally.censored_edits} censored: fate never seen),"
+                f" kept {tally.kept_share:.2f} over the others"
             )
         if self.evidence is not None:
             lines += self.evidence.lines()

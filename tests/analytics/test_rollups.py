@@ -82,6 +82,49 @@ def test_late_samples_and_late_final_rewards_reach_the_results(
     assert after["metrics"]["kept"]["value"] == pytest.approx(sum(kept) / 40)
 
 
+def test_edits_whose_fate_was_never_seen_are_counted_censored_per_arm_and_checkpoint(
+    client: TestClient, seeder: Seeder, app_engine: Engine, analyst_headers: dict[str, Any]
+) -> None:
+    experiment_id, _ = seeder(
+        [
+            SeededArm("control", "cens-a", 5_000, Behaviour(users=10, requests_per_user=2), True),
+            SeededArm("treatment", "cens-b", 5_000, Behaviour(users=10, requests_per_user=2)),
+        ],
+        seed=43,
+    )
+    assert refresh_rollups(app_engine)
+    rate = arm_metrics(client, experiment_id, analyst_headers)["treatment"]["metrics"][
+        "censored_edit_rate"
+    ]
+    assert (rate["value"], rate["observations"]) == (0.0, 20)  # every seeded edit has a verdict
+
+    with app_engine.begin() as conn:
+        # Three of the treatment's edits were never shown their verdict: censored.
+        conn.execute(
+            text(
+                "UPDATE rewards SET components = jsonb_set(components, '{kept}', 'null'), "
+                "updated_at = now() WHERE sample_id IN (SELECT id FROM samples "
+                "WHERE experiment_id = :e AND arm = 'treatment' ORDER BY id LIMIT 3)"
+            ),
+            {"e": experiment_id},
+        )
+    assert refresh_rollups(app_engine)
+
+    arms = arm_metrics(client, experiment_id, analyst_headers)
+    treated, control = arms["treatment"]["metrics"], arms["control"]["metrics"]
+    assert treated["censored_edit_rate"]["value"] == pytest.approx(3 / 20)
+    assert treated["kept"]["observations"] == 17  # a censored edit is not a kept share
+    assert control["censored_edit_rate"]["value"] == 0.0
+    assert treated["censored_edit_rate"]["vs_control"]["difference"] == pytest.approx(3 / 20)
+    series = client.get(
+        "/analytics/timeseries?bucket=day&checkpoint=cens-b", headers=analyst_headers
+    ).json()["series"]
+    (buckets,) = [s["buckets"] for s in series if s["checkpoint"] == "cens-b"]
+    assert sum(b["edit_observations"] for b in buckets) == 20
+    censored = sum(b["censored_edit_rate"] * b["edit_observations"] for b in buckets)
+    assert censored == pytest.approx(3)
+
+
 def test_a_transaction_open_in_another_database_does_not_hold_the_results_back(
     client: TestClient,
     seeder: Seeder,

@@ -142,7 +142,8 @@ class FeedbackEventBase(Event):
     source: str | None = Field(default=None, max_length=64)
     """None: the client reported it (set so by the gateway, whatever the client sent);
     `history:<client>:<rule>`: the gateway read it from the run's next request
-    (`app.signals.history`)."""
+    (`app.signals.history`); `otlp:<client>:<signal>`: from the client's telemetry export
+    (`app.client_events.decisions`)."""
 
 
 class EditAccepted(FeedbackEventBase):

@@ -276,13 +276,15 @@ async def accept_feedback(
     privacy: bool,
     limits: FeedbackLimits | None = None,
     now: datetime | None = None,
+    source: str | None = None,
 ) -> FeedbackAccepted:
     """Validate all, then publish the new ones to `rtrl.feedback.v1`; all or nothing.
 
     A privacy-mode completion's feedback is private whatever this call says: privacy was
     decided once, when the completion was served. Each event is stamped with the time this
-    gateway received it (`received_at`), whatever the client sent. An event that would take
-    its request past this key's limit for its kind (`FeedbackLimits`) refuses the batch (409).
+    gateway received it (`received_at`) and with `source` (None: the client reported it; an
+    adapter names what it read), whatever the client sent. An event that would take its
+    request past this key's limit for its kind (`FeedbackLimits`) refuses the batch (409).
     """
     events = parse_events(raw_events)
     served = await served_requests(redis, events, api_key_id)
@@ -294,7 +296,7 @@ async def accept_feedback(
     # A session's end is this key's: it finalizes no other key's completions.
     events = [
         event.model_copy(
-            update={"received_at": received_at, "source": None}
+            update={"received_at": received_at, "source": source}
             | ({"api_key_id": api_key_id} if isinstance(event, SessionEnd) else {})
         )
         for event in events

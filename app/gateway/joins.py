@@ -5,6 +5,8 @@ response's `id`, its `toolUsage` the tool call's `id`, and its `editOutcome` and
 `chatFeedback` only the answer's text. So the gateway answers with ids that carry the
 request id (the response's `id` is the request id; a tool call's is `call-<n>-<request id>`)
 and remembers a digest of each answer's text, scoped to the key and user it was served to.
+Claude Code's telemetry names an edit only by its session, its tool and its time: the gateway
+also remembers, per key and session, the edit tool calls it served and when.
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from app.signals.tools import is_edit_tool
+
 ANSWER_TTL_S = 6 * 3600
 """How long an answer's text finds its request: the feedback window of its request id."""
 SHORT_ANSWER_CHARS = 16
 SHORT_ANSWER_TTL_S = 5 * 60
 """Shorter answers ("Done.", an agent's last word) repeat within hours, so they name their
 completion only for minutes: a thumb on one comes right after it, and the newest wins."""
+
+SESSION_CALLS_TTL_S = ANSWER_TTL_S
+"""How long a session's edit calls can be found by their tool and time."""
+MAX_SESSION_CALLS = 512
+"""Most edit calls remembered per session, the latest kept: a decision comes seconds after
+its call, so a session of thousands of edits needs only its last few."""
 
 MAX_BLOCKS = 64
 """Most fenced blocks of a text digested: a served answer (held to the token cap) has a
@@ -108,3 +118,46 @@ async def request_of_answer(redis: Redis, owner: str, text: str) -> str | None:
         if found:
             return found.decode() if isinstance(found, bytes) else str(found)
     return None
+
+
+def session_calls_key(api_key_id: str, session_id: str) -> str:
+    """The sorted set of the edit calls served to a key in a session (member: `SessionCall`
+    encoded, score: when the request arrived, in seconds since the epoch)."""
+    return f"rtrl:calls:{api_key_id}:{session_id}"
+
+
+def queue_session_calls(
+    pipe: Pipeline,
+    api_key_id: str,
+    session_id: str,
+    request_id: str,
+    tool_names: dict[int, str],
+    served_at: float,
+) -> None:
+    """Queue on `pipe` the edit calls of an answer (position -> tool name), so an edit decision
+    that names only its session, tool and time finds them."""
+    members = {
+        f"{tool_call_id(request_id, 0, position)} {name}": served_at
+        for position, name in tool_names.items()
+        if is_edit_tool(name)
+    }
+    if not members:
+        return
+    key = session_calls_key(api_key_id, session_id)
+    pipe.zadd(key, members)
+    pipe.zremrangebyrank(key, 0, -MAX_SESSION_CALLS - 1)
+    pipe.expire(key, SESSION_CALLS_TTL_S)
+
+
+async def session_calls(
+    redis: Redis, api_key_id: str, session_id: str
+) -> list[tuple[str, str, float]]:
+    """The session's remembered edit calls: (tool call id, tool name, served at), oldest first."""
+    found = await redis.zrange(session_calls_key(api_key_id, session_id), 0, -1, withscores=True)
+    calls = []
+    for pair in found:
+        member, score = pair[0], pair[1]
+        text = member.decode() if isinstance(member, bytes) else str(member)
+        call_id, _, name = text.partition(" ")
+        calls.append((call_id, name, float(score)))
+    return calls

@@ -31,7 +31,7 @@ from app.events import (
     Surface,
     encode,
 )
-from app.gateway.joins import queue_answer, with_client_ids
+from app.gateway.joins import queue_answer, queue_session_calls, with_client_ids
 from app.gateway.metrics import (
     COMPLETION_LATENCY,
     COMPLETIONS,
@@ -748,8 +748,9 @@ class Gateway:
     def _remember_turn(
         self, call: ChatCall, record: CompletionRecord, event: CompletionEvent
     ) -> asyncio.Future[None]:
-        """Let the run's next turn find this one, and a client's copy of the answer its
-        request: a task (one Redis round trip) that finishes even if the client goes.
+        """Let the run's next turn find this one, a client's copy of the answer its request,
+        and an edit decision its call: a task (one Redis round trip) that finishes even if the
+        client goes.
 
         The memory is built in the task, not here: digesting the served tokens and the
         history is work the answer need not wait for (an agent's late turn: ~0.2 ms)."""
@@ -772,8 +773,17 @@ class Gateway:
             }
             pipe = self.redis.pipeline(transaction=False)
             queue_turn(pipe, call.run_owner, turn, call.request.messages, answer, call.link.digests)
-            # The answer's text rides along: one round trip for both, the turn's memory first.
+            # The answer's text and edit calls ride along: one round trip for all, the turn's
+            # memory first.
             queue_answer(pipe, call.run_owner, call.request_id, record.text)
+            queue_session_calls(
+                pipe,
+                str(call.api_key_id),
+                call.session_id,
+                call.request_id,
+                {index: tool["function"]["name"] for index, tool in record.tool_calls.items()},
+                call.received_at.timestamp(),
+            )
             try:
                 async with pipe:
                     await pipe.execute()

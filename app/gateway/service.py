@@ -7,10 +7,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import anyio
@@ -31,7 +31,12 @@ from app.events import (
     Surface,
     encode,
 )
-from app.gateway.joins import queue_answer, queue_session_calls, with_client_ids
+from app.gateway.joins import (
+    queue_answer,
+    queue_session_calls,
+    request_of_tool_call,
+    with_client_ids,
+)
 from app.gateway.metrics import (
     COMPLETION_LATENCY,
     COMPLETIONS,
@@ -75,7 +80,13 @@ from app.http.errors import ApiError
 from app.models import Sample
 from app.observability import UpstreamWait
 from app.serving.vllm import vllm_device
-from app.signals.history import distill, feedback_of
+from app.signals.history import (
+    HistoryFeedback,
+    distill,
+    feedback_of,
+    survival,
+    survival_feedback,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -408,7 +419,8 @@ class Gateway:
 
     async def _read_history(self, call: ChatCall, placement: Placement) -> None:
         """The client's account, in this request, of what became of the turn it continues
-        (`app.signals.history`): feedback on that turn, sent once, by the first request that
+        (`app.signals.history`): feedback on that turn, and survival windows on the run's
+        earlier edits whose files it shows again, sent once, by the first request that
         continues it, whether this one is served or refused."""
         # A side request re-sends the history with the client's own message after it: it
         # tells nothing of the turn it follows.
@@ -416,18 +428,32 @@ class Gateway:
             return
         messages, at = call.request.messages, placement.parent_at
         evidence = distill(messages[at], messages[at + 1 :])
-        events = feedback_of(
-            evidence,
-            placement.parent.request_id,
-            call.session_id,
-            private=logged_private(call, placement),
-            at=call.received_at,
-        )
-        if not events:
-            return
+        events: list[HistoryFeedback] = [
+            *feedback_of(
+                evidence,
+                placement.parent.request_id,
+                call.session_id,
+                private=logged_private(call, placement),
+                at=call.received_at,
+            )
+        ]
+        survived = survival(messages[: at + 1], messages[at + 1 :], request_of_tool_call)
         try:
+            if survived:
+                events += survival_feedback(
+                    survived,
+                    await self._evidence_read_at(call.run_owner, [s.request_id for s in survived]),
+                    call.session_id,
+                    at=call.received_at,
+                )
+            if not events:
+                return
+            # The value is when: an edit's acceptance, read here, starts its survival clock.
             first = await self.redis.set(
-                evidence_key(call.run_owner, placement.parent.request_id), 1, nx=True, ex=TURN_TTL_S
+                evidence_key(call.run_owner, placement.parent.request_id),
+                call.received_at.timestamp(),
+                nx=True,
+                ex=TURN_TTL_S,
             )
         except RedisError:
             log.warning("evidence on %s not sent: Redis unavailable", placement.parent.request_id)
@@ -437,6 +463,21 @@ class Gateway:
         for event in events:
             HISTORY_EVIDENCE.labels(event.source or "").inc()
             self.sink.publish_encoded(Envelope(FEEDBACK_TOPIC, event.session_id, encode(event)))
+
+    async def _evidence_read_at(
+        self, owner: str, request_ids: Sequence[str]
+    ) -> list[datetime | None]:
+        """When the evidence on each turn was read (its acceptance, for an applied edit); None
+        where it was not, or before this was recorded."""
+        found = await self.redis.mget([evidence_key(owner, rid) for rid in request_ids])
+        times: list[datetime | None] = []
+        for raw in found:
+            try:
+                seconds = float(raw) if raw is not None else 0.0
+            except ValueError:
+                seconds = 0.0
+            times.append(datetime.fromtimestamp(seconds, UTC) if seconds > 1e9 else None)
+        return times
 
     async def _read_history_of_refused(self, call: ChatCall) -> None:
         await self._read_history(call, await self._settled_placement(call))
@@ -801,7 +842,8 @@ class Gateway:
 
 
 def evidence_key(owner: str, request_id: str) -> str:
-    """Set once the evidence on a served turn was read from a request that continues it."""
+    """Set once the evidence on a served turn was read from a request that continues it, to
+    that request's arrival (seconds since the epoch)."""
     return f"rtrl:evidence:{owner}:{request_id}"
 
 

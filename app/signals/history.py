@@ -14,21 +14,27 @@ Verdicts:
   rejected      the user refused the call ("The user doesn't want to proceed ...", ...)
   unapplicable  the edit could not be applied ("String to replace not found in file", ...)
   interrupted   the user stopped the agent ("[Request interrupted by user]", ...)
+
+Survival: when the file an earlier served edit applied is shown again (a read tool's result
+in the next request), the share of the edit's inserted lines still in it (`survival`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from app.events import EditAccepted, EditRejected, FollowupMessage
+import orjson
+
+from app.events import EditAccepted, EditRejected, EditSurvival, FollowupMessage
 from app.signals.followup import is_dissatisfied
 from app.signals.text import content_text
-from app.signals.tools import is_edit_tool
+from app.signals.tools import is_edit_tool, is_read_tool
 
-HistoryFeedback = EditAccepted | EditRejected | FollowupMessage
+HistoryFeedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage
 
 Verdict = Literal["accepted", "rejected", "unapplicable", "interrupted"]
 
@@ -178,3 +184,180 @@ def feedback_of(
         said = {"dissatisfied": is_dissatisfied(text)} if private else {"message": text}
         events.append(FollowupMessage(**ids, **said, source="history:any:next_message"))
     return events
+
+
+REREAD_SOURCE = "history:any:reread"
+PATH_ARGUMENTS = ("file_path", "path", "filePath", "target_file", "filename", "file")
+"""Where clients' edit and read tools name their file."""
+INSERTED_ARGUMENTS = (
+    "new_string",
+    "newString",
+    "new_str",
+    "content",
+    "file_text",
+    "new_content",
+    "replacement",
+)
+"""Where clients' edit tools carry the text they write (a whole file's, or a replacement's)."""
+REPLACED_ARGUMENTS = ("old_string", "oldString", "old_str")
+PARTIAL_READ_ARGUMENTS = (
+    "offset",
+    "limit",
+    "start_line",
+    "end_line",
+    "view_range",
+    "line_range",
+    "lines",
+)
+"""A read that names a part of the file shows only that part: it is not read for survival."""
+MAX_SURVIVAL_LINES = 256
+"""Most inserted lines of one edit looked for: bounded work on a client's history."""
+MAX_SHOWN_CHARS = 1_000_000
+"""Most characters of one read result looked in."""
+_LINE_NUMBER = re.compile(r"^\s*\d+\s*(?:→|\||:|\t)\s?")
+"""A read tool's line-number prefix ("    12→", "00012| ", "12:", "12\t")."""
+
+
+@dataclass(frozen=True, slots=True)
+class Survived:
+    """The share of a served edit's inserted lines found where the file was shown again."""
+
+    request_id: str
+    surviving_share: float
+    source: str = REREAD_SOURCE
+
+
+def survival(
+    history: Sequence[dict[str, Any]],
+    tail: Sequence[dict[str, Any]],
+    request_of: Callable[[str], str | None],
+) -> list[Survived]:
+    """Survival of the edits served earlier in a run, from the files its next request shows.
+
+    `history` ends with the served answer the request continues; `tail` is what follows it.
+    Each read tool's result in `tail` (a call of that answer, by `tool_call_id`) that shows a
+    whole file (no offset or line range) that an earlier served edit wrote (one whose call id
+    names its request: `request_of`, and
+    whose own result was not a refusal, a failure or an error) gives that edit the share of
+    its inserted lines (those of its new text that its old text did not have, blank lines
+    left out) found among the shown lines, line numbers stripped. Only client and tool text is
+    read for the verdict; the answer's calls only name what was edited and read.
+    """
+    if not history:
+        return []
+    shown_by_call = {call_id: (name, args) for name, call_id, args in _calls(history[-1])}
+    reads: list[tuple[str, set[str]]] = []
+    for message in tail:
+        if message.get("role") != "tool" or message.get("tool_call_id") not in shown_by_call:
+            continue
+        name, arguments = shown_by_call[message["tool_call_id"]]
+        path = _path(arguments)
+        text = content_text(message.get("content"))[:MAX_SHOWN_CHARS]
+        partial = any(arguments.get(key) not in (None, "") for key in PARTIAL_READ_ARGUMENTS)
+        if path and is_read_tool(name) and not partial and not _is_error(text):
+            reads.append((path, {_LINE_NUMBER.sub("", line).strip() for line in text.splitlines()}))
+    if not reads:
+        return []  # the common case: nothing shown, no edit looked at
+    results = {
+        message.get("tool_call_id"): content_text(message.get("content"))
+        for message in (*history, *tail)
+        if message.get("role") == "tool"
+    }
+    found: dict[str, list[int]] = {}
+    for message in history:
+        for name, call_id, arguments in _calls(message):
+            request_id = request_of(call_id) if call_id else None
+            if request_id is None or not is_edit_tool(name):
+                continue
+            edited, inserted = _path(arguments), _inserted_lines(arguments)
+            outcome = results.get(call_id)
+            if not edited or not inserted or outcome is None or not _applied(outcome):
+                continue
+            for path, shown in reads:
+                if _same_file(path, edited):
+                    tally = found.setdefault(request_id, [0, 0])
+                    tally[0] += len(inserted & shown)
+                    tally[1] += len(inserted)
+    return [Survived(request_id, present / total) for request_id, (present, total) in found.items()]
+
+
+def _calls(message: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """An answer's tool calls: (name, call id, arguments as an object, {} when not one)."""
+    if message.get("role") != "assistant":
+        return []
+    calls = []
+    for call in message.get("tool_calls") or ():
+        if not isinstance(call, dict):
+            continue
+        function = call.get("function") or {}
+        raw = function.get("arguments")
+        try:
+            arguments = orjson.loads(raw) if isinstance(raw, str | bytes) else raw
+        except orjson.JSONDecodeError:
+            arguments = None
+        calls.append(
+            (
+                str(function.get("name") or ""),
+                str(call.get("id") or ""),
+                arguments if isinstance(arguments, dict) else {},
+            )
+        )
+    return calls
+
+
+def _path(arguments: dict[str, Any]) -> str:
+    for name in PATH_ARGUMENTS:
+        value = arguments.get(name)
+        if isinstance(value, str) and value.strip():
+            return value.strip().removeprefix("./")
+    return ""
+
+
+def _inserted_lines(arguments: dict[str, Any]) -> set[str]:
+    new = next((v for k in INSERTED_ARGUMENTS if isinstance(v := arguments.get(k), str)), "")
+    old = next((v for k in REPLACED_ARGUMENTS if isinstance(v := arguments.get(k), str)), "")
+    kept = {line.strip() for line in old.splitlines()}
+    inserted: set[str] = set()
+    for line in new.splitlines():
+        stripped = line.strip()
+        if stripped and stripped not in kept:
+            inserted.add(stripped)
+            if len(inserted) == MAX_SURVIVAL_LINES:
+                break
+    return inserted
+
+
+def _applied(result: str) -> bool:
+    """Whether an edit call's result says it was carried out: no client's refusal or failure,
+    and no error."""
+    rule = _first(RULES, result)
+    return (rule is None or rule.verdict == "accepted") and not _is_error(result)
+
+
+def _same_file(shown: str, edited: str) -> bool:
+    """The same file, named absolutely or relative to the workspace by either."""
+    return shown == edited or shown.endswith("/" + edited) or edited.endswith("/" + shown)
+
+
+def survival_feedback(
+    survived: Sequence[Survived],
+    accepted_at: Sequence[datetime | None],
+    session_id: str,
+    *,
+    at: datetime,
+) -> list[EditSurvival]:
+    """Survival windows on the edits, each at the time since its acceptance (None: not known,
+    no window)."""
+    return [
+        EditSurvival(
+            request_id=found.request_id,
+            session_id=session_id,
+            elapsed_s=max((at - accepted).total_seconds(), 0.0),
+            surviving_share=found.surviving_share,
+            occurred_at=at,
+            received_at=at,
+            source=found.source,
+        )
+        for found, accepted in zip(survived, accepted_at, strict=True)
+        if accepted is not None and accepted <= at
+    ]

@@ -14,3 +14,12 @@ _EDIT_TOOL = re.compile(
 def is_edit_tool(name: object) -> bool:
     """Whether a tool's name says it writes to the user's files."""
     return _EDIT_TOOL.search(str(name or "")) is not None
+
+
+_READ_TOOL = re.compile(r"(read|view|open|cat|show|get_file|file_content)", re.IGNORECASE)
+
+
+def is_read_tool(name: object) -> bool:
+    """Whether a tool's name says it shows a file's contents (and does not write them)."""
+    text = str(name or "")
+    return _READ_TOOL.search(text) is not None and not is_edit_tool(text)

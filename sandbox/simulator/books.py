@@ -151,7 +151,8 @@ def read_evidence(engine: Engine, reports: list[SimulationReport]) -> EvidenceTa
     """What the gateway read from the conversations of the reports' stock-agent runs, against
     the simulator's ground truth: each `history:*` feedback event on a served turn, agreeing
     when an accept names an applied edit, a reject a refused or unapplicable one, and a
-    follow-up the developer's satisfaction as the turn's final reward saw it."""
+    follow-up the developer's satisfaction as the turn's final reward saw it, and a survival
+    window an edit that was applied."""
     served = {r.request_id: r for report in reports for r in report.served}
     with session_scope(engine) as session:
         events = session.execute(
@@ -196,6 +197,9 @@ def read_evidence(engine: Engine, reports: list[SimulationReport]) -> EvidenceTa
             agree = expected is not None and seen == expected
             if truth.followup_dissatisfied is not None:
                 followups.add(event.request_id)
+        elif kind == "edit_survival":
+            # A window read from a later read of the file belongs on an edit that was applied.
+            agree = truth.edit_outcome == "applied"
         else:
             continue
         tally = by_source.setdefault(event.source, [0, 0])

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
+import orjson
 import pytest
 from anthropic import Anthropic, BadRequestError
 from openai import OpenAI
 
 from app.events import COMPLETIONS_TOPIC, FEEDBACK_TOPIC
+from sandbox.agent_tasks import TOOLS as AGENT_TOOLS
 from tests.conftest import past_the_context
 
 EDIT_SCHEMA = {
@@ -215,3 +218,85 @@ def test_a_side_request_after_a_final_answer_is_marked_and_is_no_follow_up(
     marked = {e["request_id"]: e["side_request"] for e in served}
     assert (marked[final_id], marked[summary_id]) == (None, "summary")
     assert feedback_on(kafka, since, final_id, 1) == []
+
+
+def written_by(call: Any) -> str:
+    return str(orjson.loads(call.function.arguments).get("new_string") or "")
+
+
+def test_a_later_read_of_the_edited_file_is_the_edits_survival_window(
+    gateway_server: Any, ide_key: str, kafka: Any
+) -> None:
+    # The sandbox's tools, which the shipped base learned to call, over Chat Completions: the
+    # edit applied, then the file read again.
+    client = OpenAI(
+        base_url=f"{gateway_server.url}/v1",
+        api_key=ide_key,
+        default_headers={"x-session-id": str(uuid.uuid4())},
+        max_retries=0,
+    )
+    tools = AGENT_TOOLS
+    history: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+    since = kafka.end_offsets(FEEDBACK_TOPIC)
+
+    def forced(tool: str) -> Callable[[], tuple[str, Any, Any]]:
+        def ask() -> tuple[str, Any, Any]:
+            request_id = new_id()
+            answer = (
+                client.chat.completions.create(
+                    model="rtrl",
+                    messages=history,
+                    tools=tools,
+                    tool_choice={"type": "function", "function": {"name": tool}},
+                    max_tokens=300,
+                    extra_headers={"X-Request-Id": request_id},
+                )
+                .choices[0]
+                .message
+            )
+            calls = [c for c in answer.tool_calls or () if c.function.name == tool]
+            # An edit that writes only blanks inserts no line to look for.
+            if tool == "edit_file" and calls and not written_by(calls[0]).strip():
+                calls = []
+            return request_id, answer, calls[0] if calls else None
+
+        return ask
+
+    edit_id, edit, call = until_it_calls(forced("edit_file"))
+    written = written_by(call)
+    history += [
+        edit.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Edit applied successfully."},
+    ]
+    _, read, read_call = until_it_calls(forced("read_file"))
+    # The file as the read shows it, numbered as Claude Code's Read numbers it: the edit's
+    # line is still there.
+    shown = "\n".join(f"{n:>6}→{line}" for n, line in enumerate(["# calc", written, "x = 1"], 1))
+    history += [
+        read.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": read_call.id, "content": shown},
+    ]
+    for _ in range(2):  # a retry re-sends the same history: one window
+        client.chat.completions.create(
+            model="rtrl",
+            messages=history,
+            tools=tools,
+            tool_choice="none",
+            max_tokens=4,
+            extra_headers={"X-Request-Id": new_id()},
+        )
+
+    events = feedback_on(kafka, since, edit_id, 2)
+    kinds = sorted((e["kind"], e["source"]) for e in events)
+    assert kinds == [
+        ("edit_accepted", "history:opencode:applied"),
+        ("edit_survival", "history:any:reread"),
+    ]
+    window = next(e for e in events if e["kind"] == "edit_survival")
+    assert window["surviving_share"] == 1.0 and not window["censored"]
+    accepted = next(e for e in events if e["kind"] == "edit_accepted")
+    # The window is timed from the acceptance, as the client's own report would be.
+    elapsed = datetime.fromisoformat(window["occurred_at"]) - datetime.fromisoformat(
+        accepted["occurred_at"]
+    )
+    assert window["elapsed_s"] == pytest.approx(elapsed.total_seconds(), abs=0.01)

@@ -3,12 +3,16 @@ as what became of the served answer."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 import pytest
 
-from app.signals.history import distill, feedback_of
+from app.signals.history import distill, feedback_of, survival, survival_feedback
+
+T0 = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+CLAUDE_REFUSED = "The user doesn't want to proceed with this tool use. The tool use was rejected"
 
 ANSWER = {
     "role": "assistant",
@@ -161,3 +165,121 @@ def test_an_edit_call_whose_result_reports_an_error_is_unapplicable_for_any_clie
     assert [(f.verdict, f.source) for f in found] == (
         [("unapplicable", "history:any:edit_error")] if read else []
     )
+
+
+# survival from the files the next request shows
+
+
+def edit_call(call_id: str, **arguments: str) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "Edit", "arguments": orjson.dumps(arguments).decode()},
+    }
+
+
+def read_call(call_id: str, path: str) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "Read", "arguments": orjson.dumps({"file_path": path}).decode()},
+    }
+
+
+def served(request_id: str) -> str | None:
+    """As the gateway names its calls: `call-<n>-<request id>`."""
+    return request_id.split("-", 2)[2] if request_id.startswith("call-") else None
+
+
+EDIT = edit_call(
+    "call-0-r1",
+    file_path="/repo/calc.py",
+    old_string="def add(a, b):\n    return a - b",
+    new_string="def add(a, b):\n    total = a + b\n    return total",
+)
+EDITED = [
+    {"role": "user", "content": "Fix add()."},
+    {"role": "assistant", "content": "", "tool_calls": [EDIT]},
+    result("The file /repo/calc.py has been updated successfully.", "call-0-r1"),
+]
+
+
+def test_a_later_read_of_the_file_tells_the_share_of_the_edits_lines_still_there() -> None:
+    reading = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [read_call("call-0-r2", "calc.py")],
+    }
+    # Claude Code's Read numbers its lines; the user has since changed `return total`.
+    shown = "     1→def add(a, b):\n     2→    total = a + b\n     3→    return a + b\n"
+    tail = [result(shown, "call-0-r2")]
+    [found] = survival([*EDITED, reading], tail, served)
+    # Inserted: the two lines the old text did not have; one is still there.
+    assert (found.request_id, found.surviving_share, found.source) == (
+        "r1",
+        0.5,
+        "history:any:reread",
+    )
+
+    events = survival_feedback([found], [T0], "s1", at=T0 + timedelta(seconds=40))
+    assert [(e.kind, e.request_id, e.elapsed_s, e.surviving_share) for e in events] == [
+        ("edit_survival", "r1", 40.0, 0.5)
+    ]
+    assert survival_feedback([found], [None], "s1", at=T0) == []  # acceptance time unknown
+
+
+@pytest.mark.parametrize(
+    ("edit_result", "read_name", "read_result", "call_id"),
+    [
+        # A refused or failed edit wrote nothing: its lines' absence says nothing.
+        ("Error: String to replace not found in file.", "Read", "def add(a, b):", "call-0-r1"),
+        (CLAUDE_REFUSED, "Read", "def add(a, b):", "call-0-r1"),
+        # Not a read, or a read that failed, shows no file.
+        ("Edit applied successfully.", "Bash", "def add(a, b):", "call-0-r1"),
+        ("Edit applied successfully.", "Read", "Error: no such file", "call-0-r1"),
+        # A call id the gateway did not give names no served edit.
+        ("Edit applied successfully.", "Read", "def add(a, b):", "toolu_01abc"),
+    ],
+)
+def test_only_a_served_edit_that_was_applied_and_a_read_that_showed_the_file_count(
+    edit_result: str, read_name: str, read_result: str, call_id: str
+) -> None:
+    edit = {**EDIT, "id": call_id}
+    history = [
+        {"role": "user", "content": "Fix add()."},
+        {"role": "assistant", "content": "", "tool_calls": [edit]},
+        result(edit_result, call_id),
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    **read_call("call-0-r2", "/repo/calc.py"),
+                    "function": {
+                        "name": read_name,
+                        "arguments": '{"file_path": "/repo/calc.py"}',
+                    },
+                }
+            ],
+        },
+    ]
+    assert survival(history, [result(read_result, "call-0-r2")], served) == []
+
+
+def test_a_read_of_part_of_the_file_is_not_read_for_survival() -> None:
+    call = read_call("call-0-r2", "calc.py")
+    call["function"]["arguments"] = '{"file_path": "calc.py", "offset": 40, "limit": 10}'
+    reading = {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert survival([*EDITED, reading], [result("    40→x = 1", "call-0-r2")], served) == []
+
+
+def test_a_file_shown_again_with_every_line_gone_is_a_revert() -> None:
+    reading = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [read_call("call-0-r2", "calc.py")],
+    }
+    [found] = survival(
+        [*EDITED, reading], [result("def add(a, b):\n    return a - b", "call-0-r2")], served
+    )
+    assert found.surviving_share == 0.0

@@ -468,7 +468,8 @@ class Gateway:
         self, owner: str, request_ids: Sequence[str]
     ) -> list[datetime | None]:
         """When the evidence on each turn was read (its acceptance, for an applied edit); None
-        where it was not, or before this was recorded."""
+        where it was not, or before this was recorded. The markers are the owner's (key and
+        user): a history that names another's request by a forged call id finds none."""
         found = await self.redis.mget([evidence_key(owner, rid) for rid in request_ids])
         times: list[datetime | None] = []
         for raw in found:

@@ -46,6 +46,16 @@ def until_it_calls(ask: Callable[[], tuple[str, Any, Any]]) -> tuple[str, Any, A
     raise AssertionError("the model made no tool call in three turns that named the tool")
 
 
+def chat_client(gateway_server: Any, ide_key: str) -> OpenAI:
+    """A Chat Completions client of one session (as opencode sends it: `x-session-id`)."""
+    return OpenAI(
+        base_url=f"{gateway_server.url}/v1",
+        api_key=ide_key,
+        default_headers={"x-session-id": str(uuid.uuid4())},
+        max_retries=0,
+    )
+
+
 def feedback_on(kafka: Any, since: dict[int, int], request_id: str, count: int) -> list[dict]:
     events = kafka.read(
         FEEDBACK_TOPIC,
@@ -137,12 +147,7 @@ def test_an_applied_edit_is_accepted_and_the_next_message_after_a_final_answer_f
     gateway_server: Any, ide_key: str, kafka: Any
 ) -> None:
     # opencode's words, over Chat Completions.
-    client = OpenAI(
-        base_url=f"{gateway_server.url}/v1",
-        api_key=ide_key,
-        default_headers={"x-session-id": str(uuid.uuid4())},
-        max_retries=0,
-    )
+    client = chat_client(gateway_server, ide_key)
     tools = [{"type": "function", "function": {"name": "edit", "parameters": EDIT_SCHEMA}}]
     history: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
     since = kafka.end_offsets(FEEDBACK_TOPIC)
@@ -229,12 +234,7 @@ def test_a_later_read_of_the_edited_file_is_the_edits_survival_window(
 ) -> None:
     # The sandbox's tools, which the shipped base learned to call, over Chat Completions: the
     # edit applied, then the file read again.
-    client = OpenAI(
-        base_url=f"{gateway_server.url}/v1",
-        api_key=ide_key,
-        default_headers={"x-session-id": str(uuid.uuid4())},
-        max_retries=0,
-    )
+    client = chat_client(gateway_server, ide_key)
     tools = AGENT_TOOLS
     history: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
     since = kafka.end_offsets(FEEDBACK_TOPIC)

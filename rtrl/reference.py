@@ -348,8 +348,9 @@ def _schema_type(schema: dict[str, Any]) -> str:
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[-1]
         return f"[{name}](#{name.lower()})"
-    if "anyOf" in schema:
-        return " or ".join(_schema_type(option) for option in schema["anyOf"])
+    for union in ("anyOf", "oneOf"):
+        if union in schema:
+            return " or ".join(_schema_type(option) for option in schema[union])
     if "enum" in schema:
         return "one of " + ", ".join(f"`{value}`" for value in schema["enum"])
     if "const" in schema:
@@ -405,7 +406,15 @@ def render_http_api(schema: dict[str, Any]) -> str:
                 out.append("\n")
             body = operation.get("requestBody")
             if body:
-                out.append(f"Request body: {_body_schema(body.get('content', {}))}\n\n")
+                content = body.get("content", {})
+                out.append(f"Request body: {_body_schema(content)}\n\n")
+                # A body the route reads itself is described inline (`app.gateway.body_schemas`).
+                for media in content.values():
+                    inline = media.get("schema") or {}
+                    if inline.get("properties"):
+                        if inline.get("description"):
+                            out.append(inline["description"].strip() + "\n\n")
+                        out.append(_fields_table(inline) + "\n")
             out.append("| status | description | body |\n|---|---|---|\n")
             for status, response in operation.get("responses", {}).items():
                 out.append(
@@ -420,21 +429,26 @@ def render_http_api(schema: dict[str, Any]) -> str:
         out.append(f"\n### {name}\n\n")
         if component.get("description"):
             out.append(component["description"].strip() + "\n\n")
-        properties = component.get("properties", {})
-        if not properties:
+        if not component.get("properties"):
             out.append(f"Type: {_schema_type(component)}\n")
             continue
-        required = set(component.get("required", []))
-        out.append("| field | type | required | description |\n|---|---|---|---|\n")
-        for field_name, field in properties.items():
-            kind = _schema_type(field)
-            if "default" in field and field["default"] is not None:
-                kind += f", default `{json.dumps(field['default'])}`"
-            out.append(
-                f"| `{field_name}` | {_cell(kind)} | {'yes' if field_name in required else 'no'} "
-                f"| {_cell(field.get('description', '')) or '—'} |\n"
-            )
+        out.append(_fields_table(component))
     return "".join(out)
+
+
+def _fields_table(schema: dict[str, Any]) -> str:
+    """An object schema's fields: name, type, whether required, description."""
+    required = set(schema.get("required", []))
+    rows = ["| field | type | required | description |\n|---|---|---|---|\n"]
+    for field_name, field in schema.get("properties", {}).items():
+        kind = _schema_type(field)
+        if "default" in field and field["default"] is not None:
+            kind += f", default `{json.dumps(field['default'])}`"
+        rows.append(
+            f"| `{field_name}` | {_cell(kind)} | {'yes' if field_name in required else 'no'} "
+            f"| {_cell(field.get('description', '')) or '—'} |\n"
+        )
+    return "".join(rows)
 
 
 def http_api_page() -> Page:

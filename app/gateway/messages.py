@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from app.auth.schemas import Principal
 from app.gateway.anthropic import anthropic_message, chat_body, in_anthropic_terms, message_events
+from app.gateway.body_schemas import MESSAGES_BODY, request_body
 from app.gateway.surfaces import ApiSurface, serve, translated_body
 from app.gateway.upstream import BROKEN, UpstreamBusy, UpstreamUnavailable
 from app.http.dependencies import require_role
@@ -60,6 +61,7 @@ router.add_api_route(
     messages,
     methods=["POST"],
     response_model=None,
+    openapi_extra=request_body(MESSAGES_BODY),
     route_class_override=DirectRoute,
 )
 

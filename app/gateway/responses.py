@@ -15,6 +15,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 
 from app.auth.schemas import Principal
+from app.gateway.body_schemas import RESPONSES_BODY, request_body
 from app.gateway.openai_responses import (
     chat_body,
     in_responses_terms,
@@ -51,5 +52,6 @@ router.add_api_route(
     responses,
     methods=["POST"],
     response_model=None,
+    openapi_extra=request_body(RESPONSES_BODY),
     route_class_override=DirectRoute,
 )

@@ -151,8 +151,9 @@ class RewardWeights(BaseModel):
     credit comes from it, are left out of training. A number: the prior the reward takes in
     its place, neither a kept edit (1) nor a refused one (0), so that a client that reports
     nothing (the next request never came, the user left) still rewards the turn on what is
-    known of it (its conduct, a follow-up), and a policy that dodges evidence earns the prior,
-    not the kept share it could not show."""
+    known of it (its conduct, a follow-up). A policy that dodges evidence earns the prior
+    whatever it would have shown: a prior above its seen edits' mean pays the dodging, so the
+    `censored_edit_rate` metric watches for it."""
 
 
 # Formula 2: latency from time to first token and per output token, so a long, correct edit

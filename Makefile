@@ -48,12 +48,12 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 test: install lint browser alerts ts-client docs
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not scenario"
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not scenario"
 
 # The end-to-end scenarios (`@pytest.mark.scenario`): minutes each on two cores, so out of
 # `make test`; run them before a release and after a change to the loop they cover.
 scenarios: install
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m scenario
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m scenario
 
 # The fast lane: unit and single-service tests, without the tests marked `slow` (those that
 # restart vLLM, train, run the demo or offline agent gates); `make test` runs them all.
@@ -62,7 +62,7 @@ scenarios: install
 TS_CLIENT_TEST := clients/typescript/build/test/integration/gateway.test.js
 
 test-fast: install lint $(TS_CLIENT_TEST)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not scenario"
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not scenario"
 
 $(TS_CLIENT_TEST):
 	$(MAKE) ts-client

@@ -35,21 +35,6 @@ from sandbox.bases import DEFAULT_BASE, HACKING_BASE, install_base, shipped_base
 from sandbox.bootstrap import BootstrapConfig, build_corpus, pretrain
 from workers.config import WorkerConfig
 
-KEYED_VLLM_GROUP = "keyed-vllm"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group the tests for pytest-xdist (`--dist loadgroup`): a file's tests stay in one
-    process, so its module fixtures start once, and the files that use `keyed_vllm_server`
-    share one group, so that second vLLM starts in one process instead of in each (about 40 s
-    of both cores)."""
-    keyed = {
-        item.path for item in items if "keyed_vllm_server" in getattr(item, "fixturenames", ())
-    }
-    for item in items:
-        group = KEYED_VLLM_GROUP if item.path in keyed else str(item.path)
-        item.add_marker(pytest.mark.xdist_group(group))
-
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:

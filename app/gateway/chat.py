@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from app.auth.schemas import Principal
 from app.gateway.surfaces import ApiSurface, serve
 from app.http.dependencies import require_role
-from app.http.routes import DirectRoute
+from app.http.routes import STREAMED_OR_WHOLE, DirectRoute
 from app.models import Role
 
 router = APIRouter(prefix="/v1", tags=["gateway"])
@@ -41,5 +41,6 @@ router.add_api_route(
     chat_completions,
     methods=["POST"],
     response_model=None,
+    responses=STREAMED_OR_WHOLE,
     route_class_override=DirectRoute,
 )

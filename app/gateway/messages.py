@@ -24,7 +24,7 @@ from app.gateway.surfaces import ApiSurface, serve, translated_body
 from app.gateway.upstream import BROKEN, UpstreamBusy, UpstreamUnavailable
 from app.http.dependencies import require_role
 from app.http.errors import ApiError
-from app.http.routes import DirectRoute
+from app.http.routes import STREAMED_OR_WHOLE, DirectRoute
 from app.http.state import app_state
 from app.models import Role
 
@@ -62,6 +62,7 @@ router.add_api_route(
     methods=["POST"],
     response_model=None,
     openapi_extra=request_body(MESSAGES_BODY),
+    responses=STREAMED_OR_WHOLE,
     route_class_override=DirectRoute,
 )
 

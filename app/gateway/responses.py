@@ -24,7 +24,7 @@ from app.gateway.openai_responses import (
 )
 from app.gateway.surfaces import ApiSurface, serve
 from app.http.dependencies import require_role
-from app.http.routes import DirectRoute
+from app.http.routes import STREAMED_OR_WHOLE, DirectRoute
 from app.models import Role
 
 router = APIRouter(prefix="/v1", tags=["gateway"])
@@ -53,5 +53,6 @@ router.add_api_route(
     methods=["POST"],
     response_model=None,
     openapi_extra=request_body(RESPONSES_BODY),
+    responses=STREAMED_OR_WHOLE,
     route_class_override=DirectRoute,
 )

@@ -39,6 +39,15 @@ def _takes_only_the_request(dependant: Dependant) -> bool:
     )
 
 
+STREAMED_OR_WHOLE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The answer: whole (`stream` false) or as server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
+"""The documented answer of a model route, whose `stream` field picks its content type."""
+
+
 class DirectRoute(APIRoute):
     """An APIRoute whose endpoint takes the request and async dependencies on the request
     alone (`Depends(f)` with `async def f(request)`), called in order without FastAPI's

@@ -155,10 +155,24 @@ def samples_count(engine: Engine) -> int:
         return session.scalar(select(func.count()).select_from(Sample)) or 0
 
 
+def settled_samples_count(engine: Engine, quiet_s: float = 3.0, timeout_s: float = 60.0) -> int:
+    """The samples count once it has not moved for `quiet_s`: what earlier tests served (the
+    fuzzer's model calls among them) is stored, so a test that asserts it stores nothing
+    starts from a count that is not still rising."""
+    deadline = time.monotonic() + timeout_s
+    count, since = samples_count(engine), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = samples_count(engine)
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def test_invalid_utf8_and_oversized_bodies_are_refused_and_log_nothing(
     hostile: Loop, keys: dict[str, str]
 ) -> None:
-    before = samples_count(hostile.engine)
+    before = settled_samples_count(hostile.engine)
     bad_utf8 = b'{"model": "rtrl", "messages": [{"role": "user", "content": "\xff\xfe\xc3("}]}'
     status, response = raw_request(hostile.url, chat_request(keys["ide"], bad_utf8))
     assert status == 400 and b'"error"' in response, response[:500]
@@ -225,7 +239,7 @@ def test_sql_metacharacters_in_every_analytics_filter_change_nothing(
     document = httpx.get(f"{hostile.url}/openapi.json", timeout=10).json()
     with session_scope(hostile.engine) as session:
         key_count = session.scalar(select(func.count()).select_from(ApiKey))
-    before = samples_count(hostile.engine)
+    before = settled_samples_count(hostile.engine)
     tried = 0
     for path, operations in document["paths"].items():
         if not path.startswith("/analytics"):

@@ -311,6 +311,7 @@ def test_a_stock_agents_verdicts_reach_the_gateway_only_in_its_own_words(
             assert event["source"].startswith(f"history:{client}:") or event["source"] in (
                 "history:any:next_message",
                 "history:any:edit_error",
+                "history:any:reread",
             ), event
             read[event["request_id"]].add(event["kind"])
     # What the developer and the file decided, read back from the next request: an applied

@@ -33,6 +33,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from app.gateway.metrics import TRAJECTORY_LINKS
+from app.signals.tools import call_arguments
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +117,10 @@ def _arguments(arguments: Any) -> dict[str, Any]:
     argument set to false or null left out (Claude Code re-sends its Edit calls with
     `"replace_all": false` added), and arguments that are not a JSON object as `{}` (clients
     re-send a call they could not parse with `{}`)."""
-    if isinstance(arguments, str):
-        try:
-            arguments = orjson.loads(arguments)
-        except orjson.JSONDecodeError:
-            return {}
-    if not isinstance(arguments, dict):
-        return {}
     return {
-        name: value for name, value in arguments.items() if value is not None and value is not False
+        name: value
+        for name, value in call_arguments(arguments).items()
+        if value is not None and value is not False
     }
 
 

@@ -27,12 +27,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-import orjson
-
 from app.events import EditAccepted, EditRejected, EditSurvival, FollowupMessage
 from app.signals.followup import is_dissatisfied
 from app.signals.text import content_text
-from app.signals.tools import is_edit_tool, is_read_tool
+from app.signals.tools import call_arguments, is_edit_tool, is_read_tool
 
 HistoryFeedback = EditAccepted | EditRejected | EditSurvival | FollowupMessage
 
@@ -245,7 +243,9 @@ def survival(
     """
     if not history:
         return []
-    shown_by_call = {call_id: (name, args) for name, call_id, args in _calls(history[-1])}
+    shown_by_call = {
+        call_id: (name, call_arguments(raw)) for name, call_id, raw in _calls(history[-1])
+    }
     reads: list[tuple[str, set[str]]] = []
     for message in tail:
         if message.get("role") != "tool" or message.get("tool_call_id") not in shown_by_call:
@@ -258,51 +258,42 @@ def survival(
             reads.append((path, {_LINE_NUMBER.sub("", line).strip() for line in text.splitlines()}))
     if not reads:
         return []  # the common case: nothing shown, no edit looked at
-    results = {
-        message.get("tool_call_id"): content_text(message.get("content"))
-        for message in (*history, *tail)
-        if message.get("role") == "tool"
-    }
+    outcomes = {m.get("tool_call_id"): m for m in (*history, *tail) if m.get("role") == "tool"}
     found: dict[str, list[int]] = {}
     for message in history:
-        for name, call_id, arguments in _calls(message):
+        for name, call_id, raw in _calls(message):
             request_id = request_of(call_id) if call_id else None
-            if request_id is None or not is_edit_tool(name):
+            outcome = outcomes.get(call_id)
+            if request_id is None or outcome is None or not is_edit_tool(name):
                 continue
-            edited, inserted = _path(arguments), _inserted_lines(arguments)
-            outcome = results.get(call_id)
-            if not edited or not inserted or outcome is None or not _applied(outcome):
+            arguments = call_arguments(raw)
+            edited = _path(arguments)
+            shown_again = [shown for path, shown in reads if edited and _same_file(path, edited)]
+            if not shown_again:
                 continue
-            for path, shown in reads:
-                if _same_file(path, edited):
-                    tally = found.setdefault(request_id, [0, 0])
-                    tally[0] += len(inserted & shown)
-                    tally[1] += len(inserted)
+            inserted = _inserted_lines(arguments)
+            if not inserted or not _applied(content_text(outcome.get("content"))):
+                continue
+            tally = found.setdefault(request_id, [0, 0])
+            for shown in shown_again:
+                tally[0] += len(inserted & shown)
+                tally[1] += len(inserted)
     return [Survived(request_id, present / total) for request_id, (present, total) in found.items()]
 
 
-def _calls(message: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    """An answer's tool calls: (name, call id, arguments as an object, {} when not one)."""
+def _calls(message: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """An answer's tool calls: (name, call id, arguments as sent)."""
     if message.get("role") != "assistant":
         return []
-    calls = []
-    for call in message.get("tool_calls") or ():
-        if not isinstance(call, dict):
-            continue
-        function = call.get("function") or {}
-        raw = function.get("arguments")
-        try:
-            arguments = orjson.loads(raw) if isinstance(raw, str | bytes) else raw
-        except orjson.JSONDecodeError:
-            arguments = None
-        calls.append(
-            (
-                str(function.get("name") or ""),
-                str(call.get("id") or ""),
-                arguments if isinstance(arguments, dict) else {},
-            )
+    return [
+        (
+            str((call.get("function") or {}).get("name") or ""),
+            str(call.get("id") or ""),
+            (call.get("function") or {}).get("arguments"),
         )
-    return calls
+        for call in message.get("tool_calls") or ()
+        if isinstance(call, dict)
+    ]
 
 
 def _path(arguments: dict[str, Any]) -> str:

@@ -30,10 +30,9 @@ from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from app.client_events.otlp import Decision
-from app.client_events.service import Owner
+from app.client_events.service import Owner, served_to
 from app.feedback.service import FeedbackLimits, accept_feedback
 from app.gateway.joins import SESSION_CALLS_TTL_S, request_of_tool_call, session_calls
-from app.gateway.service import Served, request_key
 from app.gateway.sink import EventSink
 from app.http.errors import ApiError
 
@@ -234,7 +233,7 @@ async def _accept(
     session_id, exact = decision.session_id, None
     if decision.tool_use_id is not None:
         request_id = request_of_tool_call(decision.tool_use_id)
-        served = await _served(redis, owner, request_id) if request_id else None
+        served = await served_to(redis, owner, request_id) if request_id else None
         if served is not None:
             session_id, exact = served.session_id, decision.tool_use_id
         elif not session_id:
@@ -249,7 +248,7 @@ async def _accept(
     kind = "edit_accepted" if decision.accepted else "edit_rejected"
     for call in planned.calls:
         request_id = request_of_tool_call(call)
-        served = await _served(redis, owner, request_id) if request_id else None
+        served = await served_to(redis, owner, request_id) if request_id else None
         if request_id is None or served is None:
             joined.unjoinable += 1
             joined.reason = _NOT_OURS
@@ -283,14 +282,6 @@ async def _accept(
 
 
 _NOT_OURS = "no completion with that tool_use_id was served to this API key (or it is too old)"
-
-
-async def _served(redis: Redis, owner: Owner, request_id: str) -> Served | None:
-    raw = await redis.get(request_key(request_id))
-    served = None if raw is None else Served.decode(raw)
-    if served is None or served.api_key_id != str(owner.api_key_id):
-        return None
-    return served
 
 
 async def _planned(

@@ -149,11 +149,19 @@ async def _joined(redis: Redis, owner: Owner, signal: Signal) -> tuple[str, Serv
             )
     if request_id is None:
         return signal.unjoinable or "names no completion"
+    served = await served_to(redis, owner, request_id)
+    if served is None:
+        return "no completion with that id was served to this API key (or it is too old)"
+    return request_id, served
+
+
+async def served_to(redis: Redis, owner: Owner, request_id: str) -> Served | None:
+    """What `request_id` was served as, if it was served to the owner's key."""
     raw = await redis.get(request_key(request_id)) if len(request_id) <= 128 else None
     served = None if raw is None else Served.decode(raw)
     if served is None or served.api_key_id != str(owner.api_key_id):
-        return "no completion with that id was served to this API key (or it is too old)"
-    return request_id, served
+        return None
+    return served
 
 
 def event_id(owner: Owner, name: str, request_id: str, kind: str, data: dict[str, Any]) -> str:
